@@ -1,0 +1,26 @@
+"""qaccel: communication-efficient distributed training for Hugging Face Accelerate.
+
+``from qaccel import Accelerator, QSDPPlugin`` is the one-line switch. The Accelerate-facing names
+are imported lazily so that ``import qaccel.quant`` stays free of Accelerate and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ._version import __version__
+
+__all__ = ["__version__", "Accelerator", "QSDPPlugin", "QSDPConfig"]
+
+_LAZY = {
+    "Accelerator": "qaccel.integration",
+    "QSDPPlugin": "qaccel.integration",
+    "QSDPConfig": "qaccel.fsdp",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'qaccel' has no attribute {name!r}")

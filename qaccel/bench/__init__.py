@@ -1,0 +1,1 @@
+"""Benchmarks behind ``qaccel bench``; each returns a JSON-ready dict and may write a PNG."""

@@ -1,0 +1,52 @@
+"""``qaccel bench comm``: exact bytes (and rounds) on the wire per training step, per rank.
+
+Two sections measured in one run: QSDP against stock FSDP2 (``_comm_qsdp``) and 0/1 Adam /
+1-bit Adam against DDP AdamW (``_comm_onebit``). Both count bytes with the same wire meter.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from . import _comm_onebit, _comm_qsdp
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", choices=("qsdp", "onebit"), default=None, help="run one section only")
+    parser.add_argument("--png", default=None, help="write a bar chart here (default: next to --json)")
+    _comm_qsdp.add_arguments(parser)
+    _comm_onebit.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> dict:
+    report: dict = {"benchmark": "comm"}
+    if args.only in (None, "qsdp"):
+        report["qsdp"] = _comm_qsdp.measure(args)
+    if args.only in (None, "onebit"):
+        report["onebit"] = _comm_onebit.measure(args)
+    png = args.png or (str(Path(args.json_path).with_suffix(".png")) if args.json_path else None)
+    if png:
+        _plot(report, png)
+        report["png"] = png
+    return report
+
+
+def _plot(report: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections = [name for name in ("qsdp", "onebit") if name in report]
+    fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4), squeeze=False)
+    for ax, name in zip(axes[0], sections):
+        rows = report[name]["rows"]
+        ax.bar([r["method"] for r in rows], [r["ratio_vs_baseline"] for r in rows])
+        ax.set_ylabel("bytes sent vs baseline")
+        ax.set_title(report[name]["title"])
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,62 @@
+"""``qaccel.Accelerator``: an ``accelerate.Accelerator`` that installs qaccel's communication.
+
+Accelerate has no plugin registry (``shared/design/accelerate.md`` section 1), so the subclass
+calls ``super().prepare`` and then installs QSDP comms on the returned FSDP2 modules and the
+0/1 Adam / 1-bit Adam DDP hook on the returned DDP model. Everything else is stock Accelerate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import accelerate
+
+from ..comm import WireMeter, default_meter
+from . import _qsdp, _zero_one_adam
+
+__all__ = ["Accelerator"]
+
+
+class Accelerator(accelerate.Accelerator):
+    """Drop-in ``accelerate.Accelerator`` with quantized communication.
+
+    Args:
+        *args, **kwargs: as for ``accelerate.Accelerator``. ``fsdp_plugin`` may be a
+            :class:`qaccel.QSDPPlugin`.
+        wire_meter: where collectives record their bytes (default: the process-wide meter).
+
+    Example::
+
+        accelerator = Accelerator(fsdp_plugin=QSDPPlugin(weight_bits=8, grad_bits=8))
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        ...
+        accelerator.comm_stats()["last_step"]
+    """
+
+    def __init__(self, *args: Any, wire_meter: WireMeter | None = None, **kwargs: Any) -> None:
+        kwargs = _qsdp.before_init(kwargs)
+        super().__init__(*args, **kwargs)
+        self.wire_meter = wire_meter if wire_meter is not None else default_meter
+        _qsdp.after_init(self)
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        _qsdp.before_prepare(self, args)
+        prepared = super().prepare(*args, device_placement=device_placement)
+        # Accelerate returns the bare object for one argument and a list otherwise.
+        objects = [prepared] if len(args) == 1 else list(prepared)
+        _qsdp.after_prepare(self, objects)
+        _zero_one_adam.after_prepare(self, objects)
+        return prepared
+
+    def comm_stats(self) -> dict:
+        """Exact bytes this rank sent and received, per collective kind: totals and last step."""
+        return self.wire_meter.snapshot()
+
+    def log_comm_stats(self, step: int | None = None) -> dict:
+        """Close the current step in the wire meter and log its byte counts to the trackers."""
+        closed = self.wire_meter.end_step()
+        values = {f"comm/{kind}/sent_bytes": tally.sent_bytes for kind, tally in closed.items()}
+        values.update({f"comm/{kind}/calls": tally.calls for kind, tally in closed.items()})
+        values["comm/sent_bytes"] = sum(t.sent_bytes for t in closed.values())
+        self.log(values, step=step)
+        return values

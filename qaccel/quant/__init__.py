@@ -1,0 +1,32 @@
+"""Codecs for compressed communication: bucketed k-bit quantization and 1-bit sign packing.
+
+``reference`` is the pure-torch specification; the C++ (CPU) and CUDA kernels built on first use
+reproduce it bit for bit. Nothing compiles at import.
+"""
+
+from . import reference
+from ._api import dequantize, quantize, sign_compress, sign_decompress
+from ._types import (
+    META_DTYPES,
+    ROUNDINGS,
+    QuantizedTensor,
+    SignCompressed,
+    packed_code_bytes,
+    quantized_nbytes,
+    sign_packed_bytes,
+)
+
+__all__ = [
+    "quantize",
+    "dequantize",
+    "sign_compress",
+    "sign_decompress",
+    "QuantizedTensor",
+    "SignCompressed",
+    "packed_code_bytes",
+    "quantized_nbytes",
+    "sign_packed_bytes",
+    "META_DTYPES",
+    "ROUNDINGS",
+    "reference",
+]

@@ -1,0 +1,206 @@
+"""Pure-torch reference codecs: the specification every native backend must match bit for bit.
+
+Bucketed k-bit quantizer (QSDP, Markov et al. 2023; ``shared/design/qsdp.md`` section 2). For a
+flat tensor split into buckets of ``bucket_size`` elements (the last may be short) and
+``L = 2**bits - 1``:
+
+1. ``lo = min(bucket)``, ``hi = max(bucket)`` in fp32.
+2. Metadata is rounded *outward* to ``meta_dtype``: ``lo_m = round_down(lo)``,
+   ``scale_m = round_up((double(hi) - double(lo_m)) / L)``. The grid ``lo_m + scale_m * q``
+   therefore always covers ``[min, max]`` and encoder and decoder use the same grid. fp32
+   metadata keeps ``lo`` exact. The difference is taken in double so ``hi - lo`` never overflows.
+3. A bucket holding NaN or +-Inf gets ``lo_m = 0``, ``scale_m = NaN`` and all codes 0, so every
+   element of it decodes to NaN (loss scalers and skip logic still see the overflow).
+4. Encode in double: ``inv = 1 / scale_m`` (0 when ``scale_m == 0``),
+   ``y = (x - lo_m) * inv``, ``q = clamp(floor(y + u), 0, L)`` where ``u`` is
+   ``_rng.uniform_from_counter(seed, i)`` (stochastic, unbiased) or 0.5 (nearest).
+5. Decode: ``x_hat = fp32(double(lo_m) + double(scale_m) * q)`` (the product is exact, so the
+   result is ``lo_m + scale_m * q`` rounded once). Accumulation adds ``x_hat`` to ``out`` in fp32 and
+   rounds the sum to ``out``'s dtype.
+6. Packing: eight codes form a group of ``bits`` bytes read as a little-endian integer; code ``j`` of
+   the group sits at bits ``[bits*j, bits*j + bits)``. The last group is padded with code 0.
+
+1-bit sign codec (0/1 Adam, ``shared/design/zero_one_adam.md`` section 5): see
+:class:`qaccel.quant.SignCompressed` for the layout; the scale of a chunk is
+``torch.linalg.vector_norm(chunk) / sqrt(n_c)`` in fp32, as DeepSpeed computes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._rng import uniform_from_counter
+
+__all__ = [
+    "quantize_buckets",
+    "dequantize_into",
+    "pack_codes",
+    "unpack_codes",
+    "sign_pack",
+    "sign_unpack",
+    "chunk_rms",
+    "round_down_to",
+    "round_up_to",
+]
+
+_NAN32 = float("nan")
+
+
+def _pad_to_buckets(x: torch.Tensor, bucket_size: int, fill: float) -> torch.Tensor:
+    num_buckets = math.ceil(x.numel() / bucket_size)
+    padded = x.new_full((num_buckets * bucket_size,), fill)
+    padded[: x.numel()] = x
+    return padded.view(num_buckets, bucket_size)  # (num_buckets, bucket_size)
+
+
+def round_down_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp64/fp32 ``values`` toward -inf into ``dtype`` (float32 or bfloat16)."""
+    rounded = values.to(dtype)
+    too_big = rounded.double() > values.double()
+    if too_big.any():
+        stepped = torch.nextafter(rounded, torch.full_like(rounded, -math.inf))
+        rounded = torch.where(too_big, stepped, rounded)
+    return rounded
+
+
+def round_up_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp64/fp32 ``values`` toward +inf into ``dtype`` (float32 or bfloat16)."""
+    rounded = values.to(dtype)
+    too_small = rounded.double() < values.double()
+    if too_small.any():
+        stepped = torch.nextafter(rounded, torch.full_like(rounded, math.inf))
+        rounded = torch.where(too_small, stepped, rounded)
+    return rounded
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2**bits)`` into uint8 groups of ``bits`` bytes per 8 codes."""
+    numel = codes.numel()
+    groups = math.ceil(numel / 8)
+    padded = torch.zeros(groups * 8, dtype=torch.int64, device=codes.device)
+    padded[:numel] = codes.reshape(-1).to(torch.int64)
+    padded = padded.view(groups, 8)  # (groups, 8)
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    # For bits == 8 the top code lands in the sign bit; two's complement keeps the bytes right.
+    word = (padded << shifts).sum(dim=1, keepdim=True)  # (groups, 1)
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)  # (groups * bits,)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`; returns int64 codes of length ``numel``."""
+    groups = math.ceil(numel / 8)
+    grouped = packed[: groups * bits].to(torch.int64).view(groups, bits)  # (groups, bits)
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (grouped << byte_shifts).sum(dim=1, keepdim=True)  # (groups, 1)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    codes = (word >> shifts) & ((1 << bits) - 1)  # (groups, 8)
+    return codes.reshape(-1)[:numel]
+
+
+def _bucket_metadata(
+    xf: torch.Tensor, bits: int, bucket_size: int, meta_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return ``(lo_m, scale_m, finite)`` per bucket following steps 1-3 of the module doc."""
+    levels = (1 << bits) - 1
+    lo = _pad_to_buckets(xf, bucket_size, math.inf).amin(dim=1)
+    hi = _pad_to_buckets(xf, bucket_size, -math.inf).amax(dim=1)
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    lo = torch.where(finite, lo, torch.zeros_like(lo))
+    hi = torch.where(finite, hi, torch.zeros_like(hi))
+    lo_m = round_down_to(lo, meta_dtype)
+    scale = round_up_to((hi.double() - lo_m.double()) / levels, meta_dtype)
+    scale = torch.where(finite, scale, torch.full_like(scale, _NAN32))
+    return lo_m, scale, finite
+
+
+def quantize_buckets(
+    x: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    nearest: bool,
+    seed: int,
+    meta_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a flat tensor; returns ``(packed_codes, lo, scale)``. Arguments are pre-validated."""
+    xf = x.reshape(-1).to(torch.float32)
+    numel = xf.numel()
+    if numel == 0:
+        empty_meta = torch.empty(0, dtype=meta_dtype, device=x.device)
+        return torch.empty(0, dtype=torch.uint8, device=x.device), empty_meta, empty_meta.clone()
+    levels = (1 << bits) - 1
+    lo_m, scale_m, finite = _bucket_metadata(xf, bits, bucket_size, meta_dtype)
+    scale64 = scale_m.double()
+    inv = torch.where(finite & (scale64 > 0), 1.0 / scale64, torch.zeros_like(scale64))
+    bucket_of = torch.arange(numel, device=x.device) // bucket_size
+    y = (xf.double() - lo_m.double()[bucket_of]) * inv[bucket_of]
+    if nearest:
+        u = torch.full((numel,), 0.5, dtype=torch.float64, device=x.device)
+    else:
+        u = uniform_from_counter(seed, numel, x.device).double()
+    q = torch.floor(y + u).clamp_(0, levels)
+    q = torch.where(finite[bucket_of], q, torch.zeros_like(q))
+    return pack_codes(q.to(torch.int64), bits), lo_m, scale_m
+
+
+def dequantize_into(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> torch.Tensor:
+    """Decode into the flat, contiguous ``out`` (fp32/bf16/fp16), overwriting or adding."""
+    numel = out.numel()
+    if numel == 0:
+        return out
+    q = unpack_codes(codes, bits, numel).double()
+    bucket_of = torch.arange(numel, device=out.device) // bucket_size
+    decoded = (lo.double()[bucket_of] + scale.double()[bucket_of] * q).to(torch.float32)
+    if accumulate:
+        decoded = out.to(torch.float32) + decoded
+    out.copy_(decoded)
+    return out
+
+
+def chunk_rms(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``||x_c||_2 / sqrt(n_c)`` per equal chunk, fp32 (DeepSpeed's 1-bit scale)."""
+    xf = x.reshape(-1).to(torch.float32)
+    if xf.numel() == 0:
+        return torch.zeros(chunks, dtype=torch.float32, device=x.device)
+    chunk_numel = xf.numel() // chunks
+    if chunks == 1:
+        return (torch.linalg.vector_norm(xf) / math.sqrt(chunk_numel)).reshape(1)
+    return torch.linalg.vector_norm(xf.view(chunks, chunk_numel), dim=1) / math.sqrt(chunk_numel)
+
+
+def sign_pack(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Pack ``x >= 0`` as bits, MSB first, each chunk padded to whole bytes."""
+    xf = x.reshape(-1)
+    if xf.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+    chunk_numel = xf.numel() // chunks
+    chunk_bytes = math.ceil(chunk_numel / 8)
+    bits = torch.zeros(chunks, chunk_bytes * 8, dtype=torch.int64, device=x.device)
+    bits[:, :chunk_numel] = (xf.view(chunks, chunk_numel) >= 0).to(torch.int64)
+    weights = 1 << torch.arange(7, -1, -1, device=x.device, dtype=torch.int64)  # MSB first
+    packed = (bits.view(chunks, chunk_bytes, 8) * weights).sum(dim=2)  # (chunks, chunk_bytes)
+    return packed.to(torch.uint8).reshape(-1)
+
+
+def sign_unpack(signs: torch.Tensor, scales: torch.Tensor, numel: int, out: torch.Tensor) -> torch.Tensor:
+    """Write ``scale_c * (2*bit - 1)`` for every element into the flat fp32 ``out``."""
+    if numel == 0:
+        return out
+    chunks = scales.numel()
+    chunk_numel = numel // chunks
+    chunk_bytes = math.ceil(chunk_numel / 8)
+    shifts = torch.arange(7, -1, -1, device=signs.device, dtype=torch.int64)
+    bits = (signs.view(chunks, chunk_bytes, 1).to(torch.int64) >> shifts) & 1  # (chunks, bytes, 8)
+    pm_one = (bits.view(chunks, chunk_bytes * 8)[:, :chunk_numel] * 2 - 1).to(torch.float32)
+    out.view(chunks, chunk_numel).copy_(pm_one * scales.to(torch.float32).view(chunks, 1))
+    return out

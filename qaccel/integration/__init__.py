@@ -1,6 +1,6 @@
 """The only layer that touches Accelerate and transformers internals."""
 
-from .accelerator import Accelerator
 from ._qsdp import QSDPPlugin
+from .accelerator import Accelerator
 
 __all__ = ["Accelerator", "QSDPPlugin"]

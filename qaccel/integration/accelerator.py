@@ -37,7 +37,8 @@ class Accelerator(accelerate.Accelerator):
         kwargs = _qsdp.before_init(kwargs)
         super().__init__(*args, **kwargs)
         self.wire_meter = wire_meter if wire_meter is not None else default_meter
-        _qsdp.after_init(self)
+        self.qsdp = None  # the QSDPHandle once a model is prepared with a QSDPPlugin
+        _qsdp.after_init(self, fsdp_plugin=kwargs.get("fsdp_plugin"))
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         _qsdp.before_prepare(self, args)

@@ -1,0 +1,180 @@
+"""``QuantizedAllGather`` / ``QuantizedReduceScatter``: FSDP2 comms that put QSDP codes on the wire.
+
+FSDP2 calls these with its flat, padded, rank-ordered buffers (``shared/design/qsdp.md`` 5.2).
+With a codec they run the quantized collectives of :mod:`qaccel.comm`; without one (bits off,
+or a unit too small to be worth it) they issue exactly FSDP2's default collective and only count
+its bytes, so the hook path itself changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..comm import (
+    PayloadLayout,
+    WireCodec,
+    WireMeter,
+    counted_all_gather,
+    counted_reduce_scatter,
+    quantized_all_gather,
+    quantized_reduce_scatter,
+)
+from ._seeds import SeedSchedule
+from ._units import AllGather, ReduceScatter
+
+__all__ = ["UnitPlan", "QuantizedAllGather", "QuantizedReduceScatter", "KIND_QSDP_AG", "KIND_QSDP_RS", "KIND_FSDP_AG", "KIND_FSDP_RS"]
+
+logger = logging.getLogger(__name__)
+
+KIND_QSDP_AG = "qsdp.all_gather"
+KIND_QSDP_RS = "qsdp.reduce_scatter"
+KIND_FSDP_AG = "fsdp.all_gather"  # stock collective (bits off or unit below unit_min_numel)
+KIND_FSDP_RS = "fsdp.reduce_scatter"
+
+
+@dataclass
+class UnitPlan:
+    """What one unit sends: its segment map and whether it is quantized at all.
+
+    Attributes:
+        index: unit index (part of every seed).
+        name: for messages.
+        segments: ``(padded_shard_numel, quantize)`` per parameter, in buffer order.
+        enabled: False when the unit stays on the stock collectives (``unit_min_numel``, or no
+            parameter worth quantizing).
+    """
+
+    index: int
+    name: str
+    segments: tuple[tuple[int, bool], ...]
+    enabled: bool
+
+    def __post_init__(self) -> None:
+        self._layouts: dict[tuple, PayloadLayout] = {}
+
+    @classmethod
+    def build(cls, index: int, name: str, shapes: Sequence[torch.Size], shard_numels: Sequence[int], *, param_min_numel: int, unit_min_numel: int) -> UnitPlan:
+        """Segment map: 1-D or small parameters raw, others quantized; adjacent raw ones merged."""
+        segments: list[tuple[int, bool]] = []
+        for shape, numel in zip(shapes, shard_numels, strict=True):
+            quantize = len(shape) >= 2 and shape.numel() >= max(param_min_numel, 1)
+            if numel == 0:
+                continue
+            if segments and not quantize and not segments[-1][1]:
+                segments[-1] = (segments[-1][0] + numel, False)
+            else:
+                segments.append((numel, quantize))
+        total = sum(n for n, _ in segments)
+        enabled = total >= unit_min_numel and any(q for _, q in segments)
+        return cls(index=index, name=name, segments=tuple(segments), enabled=enabled)
+
+    def layout(self, codec: WireCodec, chunk_numel: int, elem_dtype: torch.dtype) -> PayloadLayout:
+        """The payload layout for a chunk of ``chunk_numel`` elements, cached per (length, dtype)."""
+        key = (codec, chunk_numel, elem_dtype)
+        layout = self._layouts.get(key)
+        if layout is None:
+            segments = self.segments
+            if sum(n for n, _ in segments) != chunk_numel:
+                # The buffer does not match our reading of FSDP's layout (e.g. a torch change):
+                # stay correct with uniform buckets over the whole chunk, and say so once.
+                logger.warning(
+                    "QSDP unit %d (%s): segment map sums to %d elements but the FSDP buffer chunk has %d; "
+                    "falling back to uniform buckets over the whole chunk",
+                    self.index, self.name, sum(n for n, _ in segments), chunk_numel,
+                )
+                segments = ((chunk_numel, True),)
+            layout = PayloadLayout(segments=segments, codec=codec, elem_dtype=elem_dtype)
+            self._layouts[key] = layout
+        return layout
+
+
+class _Alloc:
+    """Plain caching-allocator buffers for FSDP's own comm tensors (our staging blobs are separate)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class QuantizedAllGather(_Alloc, AllGather):
+    """FSDP2 ``AllGather`` that gathers this rank's shard as k-bit codes plus bucket metadata.
+
+    Every rank, the owner included, decodes every chunk from the gathered bytes, so all ranks
+    compute with bit-identical unsharded weights. Forward and backward re-gathers of one step use
+    the same seed and therefore decode the same weights.
+
+    Args:
+        plan: the unit's segment map.
+        codec: the weight quantizer, or ``None`` for the stock collective (bytes still counted).
+        seeds: the model's seed schedule.
+        meter: where bytes are recorded (kinds ``qsdp.all_gather`` / ``fsdp.all_gather``).
+    """
+
+    def __init__(self, plan: UnitPlan, codec: WireCodec | None, seeds: SeedSchedule, meter: WireMeter) -> None:
+        self.plan = plan
+        self.codec = codec if plan.enabled else None
+        self.seeds = seeds
+        self.meter = meter
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        if self.codec is None:
+            return counted_all_gather(output_tensor, input_tensor, group, self.meter, KIND_FSDP_AG, async_op=async_op)
+        layout = self.plan.layout(self.codec, input_tensor.numel(), input_tensor.dtype)
+        seed = self.seeds.weight_seed(self.plan.index, group.rank())
+        # Synchronous by design (section 5.6): FSDP accepts None and then has nothing to wait on.
+        quantized_all_gather(output_tensor, input_tensor, group, layout, seed, self.meter, KIND_QSDP_AG)
+        return None
+
+
+class QuantizedReduceScatter(_Alloc, ReduceScatter):
+    """FSDP2 ``ReduceScatter`` as an all-to-all of k-bit chunks, summed in fp32 and averaged here.
+
+    The installer forces ``ReduceOp.SUM`` and a gradient divide factor of 1 on the unit, so FSDP
+    adds no scaling of its own and this comm divides the fp32 sum by the group size once: the
+    result is FSDP's average. ``ReduceOp.AVG`` is accepted too (same division); other ops are
+    refused because their scale cannot be read back. Summing and dividing ourselves also avoids
+    gloo's AVG (pytorch/pytorch#162338).
+
+    Args:
+        plan: the unit's segment map.
+        codec: the gradient quantizer, or ``None`` for the stock collective with FSDP's own op.
+        seeds: the model's seed schedule.
+        meter: where bytes are recorded (kinds ``qsdp.reduce_scatter`` / ``fsdp.reduce_scatter``).
+    """
+
+    def __init__(self, plan: UnitPlan, codec: WireCodec | None, seeds: SeedSchedule, meter: WireMeter) -> None:
+        self.plan = plan
+        self.codec = codec if plan.enabled else None
+        self.seeds = seeds
+        self.meter = meter
+
+    @property
+    def owns_averaging(self) -> bool:
+        """True when the installer must force SUM and factor 1 on the unit."""
+        return self.codec is not None
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if self.codec is None:
+            return counted_reduce_scatter(output_tensor, input_tensor, group, op, self.meter, KIND_FSDP_RS, async_op=async_op)
+        world, rank = group.size(), group.rank()
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise RuntimeError(
+                f"QuantizedReduceScatter (rank {rank}/{world}, unit {self.plan.name}): got reduce op {op}; "
+                "QSDP needs set_force_sum_reduction_for_comms(True) and set_gradient_divide_factor(1.0) on the unit "
+                "(the installer sets them; do not change them afterwards)"
+            )
+        layout = self.plan.layout(self.codec, output_tensor.numel(), input_tensor.dtype)
+        seeds = [self.seeds.grad_seed(self.plan.index, rank, dest) for dest in range(world)]
+        quantized_reduce_scatter(output_tensor, input_tensor, group, layout, seeds, self.meter, KIND_QSDP_RS, float(world))
+        return None

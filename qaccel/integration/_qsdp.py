@@ -1,0 +1,166 @@
+"""QSDP wiring into Accelerate: ``QSDPPlugin`` and the hooks ``qaccel.Accelerator`` calls.
+
+Order (``shared/design/accelerate.md`` sections 2-4):
+
+1. ``before_init``: pick the plugin (a ``QSDPPlugin``, or one built from ``QACCEL_*`` settings
+   when ``accelerate launch`` asked for FSDP2), give it ``param_dtype=bf16, reduce_dtype=fp32``
+   under bf16 mixed precision (the wire format is ours, so an fp32 reduce costs no bandwidth),
+   and ask for the CPU backend when a distributed run has no GPU.
+2. ``after_init``: on a multi-process CPU run, switch Accelerate to its FSDP2 path
+   (:func:`qaccel.integration.cpu_fsdp.enable_fsdp2_on_cpu`).
+3. ``before_prepare``: refuse what QSDP cannot do, before any collective.
+4. ``after_prepare``: install the comms on every FSDP2 unit of the prepared model and the step
+   hook on the prepared optimizer(s); register the seed state for ``save_state``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import fields
+from typing import Any
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from ..fsdp import QSDPConfig, QSDPHandle, install_qsdp
+from .cpu_fsdp import enable_fsdp2_on_cpu
+
+__all__ = ["QSDPPlugin", "before_init", "after_init", "before_prepare", "after_prepare"]
+
+logger = logging.getLogger(__name__)
+
+_QSDP_FIELDS = frozenset(f.name for f in fields(QSDPConfig))
+_MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class QSDPPlugin(FullyShardedDataParallelPlugin):
+    """Accelerate's FSDP2 plugin plus a :class:`qaccel.QSDPConfig`.
+
+    Keyword arguments named after ``QSDPConfig`` fields configure QSDP; all others go to
+    ``FullyShardedDataParallelPlugin`` (auto-wrap, ``reshard_after_forward``, mixed precision,
+    state-dict type, ...), which still reads Accelerate's ``FSDP_*`` variables. QSDP settings not
+    given here come from ``QACCEL_QSDP_*`` variables, then the ``qsdp`` section of the recipe
+    file (``recipe`` or ``QACCEL_RECIPE``), then the defaults.
+
+    Args:
+        qsdp_config: a ready config (then no QSDP keyword may be given).
+        recipe: a YAML/JSON recipe file with a ``qsdp`` section.
+        **kwargs: ``QSDPConfig`` fields and ``FullyShardedDataParallelPlugin`` fields.
+
+    Raises:
+        NotImplementedError: ``fsdp_version`` (or ``FSDP_VERSION``) is not 2.
+        ValueError: a bad QSDP value (naming the key, the value and where it came from).
+
+    Example::
+
+        accelerator = Accelerator(fsdp_plugin=QSDPPlugin(weight_bits=8, grad_bits=8))
+    """
+
+    def __init__(self, *, qsdp_config: QSDPConfig | None = None, recipe: str | os.PathLike | None = None, **kwargs: Any) -> None:
+        qsdp_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in _QSDP_FIELDS}
+        if qsdp_config is not None:
+            if qsdp_kwargs or recipe is not None:
+                raise ValueError(f"QSDPPlugin: give either qsdp_config or QSDP keywords/recipe, not both (got {sorted(qsdp_kwargs)})")
+            if not isinstance(qsdp_config, QSDPConfig):
+                raise TypeError(f"QSDPPlugin.qsdp_config: expected a QSDPConfig, got {type(qsdp_config).__name__}")
+        else:
+            qsdp_config = QSDPConfig.from_env(recipe=recipe, **qsdp_kwargs)
+        version = kwargs.pop("fsdp_version", None)
+        source = "argument"
+        if version is None:
+            version, source = os.environ.get("FSDP_VERSION", "2"), "FSDP_VERSION"
+        if str(version) != "2":
+            raise NotImplementedError(
+                f"QSDPPlugin.fsdp_version={version} (from {source}): QSDP runs on FSDP2 only; use fsdp_version=2 "
+                "(fsdp_config: {fsdp_version: 2} in the Accelerate config)"
+            )
+        self.qsdp_config = qsdp_config
+        super().__init__(fsdp_version=2, **kwargs)
+
+
+def _launched_with_fsdp2() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION", "1") == "2"
+
+
+def _world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def before_init(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Adjust ``Accelerator.__init__`` keyword arguments for QSDP; returns a new dict."""
+    kwargs = dict(kwargs)
+    plugin = kwargs.get("fsdp_plugin")
+    if plugin is None and _launched_with_fsdp2():
+        # `accelerate launch` with an FSDP2 config and qaccel's Accelerator: QSDP from QACCEL_* settings.
+        plugin = kwargs["fsdp_plugin"] = QSDPPlugin()
+    if not isinstance(plugin, FullyShardedDataParallelPlugin) or plugin.fsdp_version != 2:
+        return kwargs
+    if isinstance(plugin, QSDPPlugin) and plugin.mixed_precision_policy is None and plugin.qsdp_config.grad_bits is not None:
+        mixed_precision = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        mixed_precision = getattr(mixed_precision, "value", mixed_precision)
+        if mixed_precision in _MP_DTYPES:
+            dtype = _MP_DTYPES[mixed_precision]
+            # Quantized gradients travel as our codes whatever reduce_dtype is, so reduce in fp32:
+            # the codec then sees exact gradients at no bandwidth cost (qsdp.md section 6).
+            plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=dtype)
+    if "cpu" not in kwargs and not torch.cuda.is_available() and _world_size_from_env() > 1:
+        # Without a GPU Accelerate would run each process alone; the CPU backend gives gloo.
+        kwargs["cpu"] = True
+    return kwargs
+
+
+def after_init(accelerator: Any, fsdp_plugin: Any = None) -> None:
+    """On a multi-process CPU run with an FSDP2 plugin, switch Accelerate to its FSDP2 path."""
+    plugin = fsdp_plugin
+    if not isinstance(plugin, FullyShardedDataParallelPlugin) or plugin.fsdp_version != 2:
+        return
+    if accelerator.distributed_type == DistributedType.MULTI_CPU:
+        enable_fsdp2_on_cpu(accelerator, plugin)
+    elif accelerator.distributed_type == DistributedType.NO and isinstance(plugin, QSDPPlugin):
+        logger.warning("QSDP: single process, nothing to communicate; QSDP is inactive")
+
+
+def _qsdp_plugin(accelerator: Any) -> QSDPPlugin | None:
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return None
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return plugin if isinstance(plugin, QSDPPlugin) else None
+
+
+def before_prepare(accelerator: Any, args: tuple) -> None:
+    """Refuse unsupported set-ups before ``prepare`` shards anything."""
+    plugin = _qsdp_plugin(accelerator)
+    if plugin is None:
+        return
+    parallelism = getattr(accelerator, "parallelism_config", None)
+    if parallelism is not None and (getattr(parallelism, "dp_replicate_size", 1) > 1 or getattr(parallelism, "tp_size", 1) > 1):
+        raise NotImplementedError(
+            f"QSDP: parallelism_config dp_replicate_size={parallelism.dp_replicate_size}, tp_size={parallelism.tp_size}: "
+            "HSDP and 2-D meshes are not supported; QSDP needs a 1-D data-parallel shard mesh"
+        )
+    has_model = any(isinstance(obj, torch.nn.Module) for obj in args)
+    has_optimizer = any(isinstance(obj, torch.optim.Optimizer) for obj in args)
+    if has_model and not has_optimizer:
+        raise ValueError("QSDP: pass the model and its optimizer to the same accelerator.prepare call (FSDP2 requires it)")
+
+
+def after_prepare(accelerator: Any, objects: list) -> None:
+    """Install QSDP comms on the prepared FSDP2 model and hook the prepared optimizer(s)."""
+    plugin = _qsdp_plugin(accelerator)
+    if plugin is None:
+        return
+    models = [obj for obj in objects if isinstance(obj, FSDPModule)]
+    if not models:
+        return
+    if len(models) > 1:
+        raise NotImplementedError(f"QSDP: {len(models)} FSDP models in one prepare call; Accelerate's FSDP2 path takes one")
+    optimizers = [obj.optimizer if isinstance(obj, AcceleratedOptimizer) else obj for obj in objects if isinstance(obj, (AcceleratedOptimizer, torch.optim.Optimizer))]
+    handle: QSDPHandle = install_qsdp(models[0], plugin.qsdp_config, optimizers=optimizers, meter=accelerator.wire_meter)
+    accelerator.qsdp = handle
+    # The step counter drives the seeds; save_state/load_state carry it for exact resumes.
+    accelerator.register_for_checkpointing(handle)
+    if accelerator.is_main_process:
+        logger.info("QSDP config: %s; units: %s", plugin.qsdp_config.to_dict(), handle.describe())

@@ -10,7 +10,10 @@ flat tensor split into buckets of ``bucket_size`` elements (the last may be shor
    therefore always covers ``[min, max]`` and encoder and decoder use the same grid. fp32
    metadata keeps ``lo`` exact. The difference is taken in double so ``hi - lo`` never overflows.
 3. A bucket holding NaN or +-Inf gets ``lo_m = 0``, ``scale_m = NaN`` and all codes 0, so every
-   element of it decodes to NaN (loss scalers and skip logic still see the overflow).
+   element of it decodes to NaN (loss scalers and skip logic still see the overflow). With bf16
+   metadata a finite bucket whose min lies below -3.3895e38 (the largest bf16) overflows its grid
+   (``lo_m = -inf``): its codes are 0 and it decodes to NaN too, never to a finite value. The sign
+   of a zero min/max (+0.0 vs -0.0) is unspecified; values and decoded outputs do not depend on it.
 4. Encode in double: ``inv = 1 / scale_m`` (0 when ``scale_m == 0``),
    ``y = (x - lo_m) * inv``, ``q = clamp(floor(y + u), 0, L)`` where ``u`` is
    ``_rng.uniform_from_counter(seed, i)`` (stochastic, unbiased) or 0.5 (nearest).
@@ -141,7 +144,9 @@ def quantize_buckets(
     else:
         u = uniform_from_counter(seed, numel, x.device).double()
     q = torch.floor(y + u).clamp_(0, levels)
-    q = torch.where(finite[bucket_of], q, torch.zeros_like(q))
+    # NaN y arises only when bf16 metadata overflows (|min| > 3.3895e38): lo_m = -inf, scale inf.
+    # Such a bucket decodes to NaN whatever its codes; code 0 keeps the bytes defined.
+    q = torch.where(finite[bucket_of] & ~q.isnan(), q, torch.zeros_like(q))
     return pack_codes(q.to(torch.int64), bits), lo_m, scale_m
 
 

@@ -271,3 +271,13 @@ def test_sign_codec_empty_and_bad_chunks():
     assert c.nbytes == 4 and quant.sign_decompress(c).numel() == 0
     with pytest.raises(ValueError, match=r"chunks=3: must divide x.numel\(\)=8"):
         quant.sign_compress(torch.zeros(8), chunks=3)
+
+
+def test_bfloat16_metadata_overflow_decodes_to_nan_not_garbage():
+    # The minimum lies below the largest bf16 (3.3895e38): lo rounds down to -inf.
+    x = torch.tensor([-3.4e38, 1.0, 2.0, 3.4e38] + [0.5] * 4)
+    q = quant.quantize(x, 8, bucket_size=4, meta_dtype="bfloat16", seed=1)
+    assert torch.equal(q.codes[:4], torch.zeros(4, dtype=torch.uint8))
+    x_hat = quant.dequantize(q)
+    assert torch.isnan(x_hat[:4]).all()
+    assert torch.isfinite(x_hat[4:]).all()

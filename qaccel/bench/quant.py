@@ -1,0 +1,235 @@
+"""``qaccel bench quant``: codec throughput per kernel backend against a memory copy (the bound).
+
+For every backend usable on the device (``reference`` always; ``cpu``/``cuda`` when they build) and
+for ``bits`` 8 and 4, it times quantize, dequantize and the round trip on one large fp32 tensor,
+on one thread and on all threads (CPU), and a plain copy of the same tensor. Throughput is
+reported two ways: ``gbps`` counts the bytes each operation must move (quantize reads ``4n`` and
+writes ``bits*n/8`` plus metadata; dequantize the reverse; a copy reads and writes ``4n``), and
+``gvalues_per_s`` counts input values. Ratios compare a backend's round trip with the reference and
+with the copy at the same thread count. The reference is slow and memory hungry (int64/fp64
+temporaries), so it runs on ``--reference-numel`` values; its throughput barely depends on size.
+Timings are the median of ``--repeats`` runs after one warm-up. Quantize returns new tensors, so
+its figure includes first-touch page faults of the code buffer; ``copy.clone_gbps`` shows what
+allocation costs a plain copy on the same machine (``THP_MEM_ALLOC_ENABLE=1`` lets torch back large
+CPU allocations with huge pages, which cuts that cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..quant import _backend, reference
+
+logger = logging.getLogger(__name__)
+
+_GOAL_VS_REFERENCE = 5.0
+_GOAL_VS_COPY = 0.30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--numel", type=int, default=1 << 26, help="fp32 values in the test tensor (default 64M)")
+    parser.add_argument(
+        "--reference-numel", type=int, default=1 << 23, help="values for the slow reference backend (default 8M)"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
+    parser.add_argument("--bits", default="8,4", help="comma-separated code widths (default 8,4)")
+    parser.add_argument("--bucket-size", type=int, default=1024, help="elements per bucket (default 1024)")
+    parser.add_argument(
+        "--threads", default="1,all", help="comma-separated CPU thread counts, 'all' = torch's default (default 1,all)"
+    )
+    parser.add_argument("--png", default=None, help="write a bar chart here (default: next to --json)")
+
+
+def _parse_list(name: str, text: str, allow_all: bool = False) -> list[int | str]:
+    values: list[int | str] = []
+    for item in text.split(","):
+        item = item.strip()
+        if allow_all and item == "all":
+            values.append(item)
+            continue
+        try:
+            values.append(int(item))
+        except ValueError:
+            raise ValueError(f"--{name}={text!r}: expected comma-separated integers{' or all' if allow_all else ''}") from None
+    return values
+
+
+def _timer(device: torch.device):
+    if device.type == "cuda":
+
+        def synchronized() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return synchronized
+    return time.perf_counter
+
+
+def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+    clock = _timer(device)
+    fn()  # warm-up: first-touch page faults, lazy initialisation
+    samples = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        samples.append(clock() - start)
+    return statistics.median(samples)
+
+
+def _codec_bytes(numel: int, bits: int, bucket: int) -> tuple[int, int]:
+    """(bytes moved by quantize, by dequantize) of ``numel`` fp32 values."""
+    packed = bits * math.ceil(numel / 8) + 8 * math.ceil(numel / bucket)
+    return 4 * numel + packed, packed + 4 * numel
+
+
+def _measure_backend(kernels, x: torch.Tensor, bits: int, bucket: int, repeats: int) -> dict:
+    numel = x.numel()
+    out = torch.empty_like(x)
+    encoded = kernels.quantize_buckets(x, bits, bucket, False, 7, torch.float32)
+    quantize_s = _median_seconds(lambda: kernels.quantize_buckets(x, bits, bucket, False, 7, torch.float32), x.device, repeats)
+    dequantize_s = _median_seconds(lambda: kernels.dequantize_into(*encoded, bits, bucket, out, False), x.device, repeats)
+    q_bytes, dq_bytes = _codec_bytes(numel, bits, bucket)
+    roundtrip_s = quantize_s + dequantize_s
+    return {
+        "bits": bits,
+        "numel": numel,
+        "quantize_s": quantize_s,
+        "dequantize_s": dequantize_s,
+        "quantize_gbps": q_bytes / quantize_s / 1e9,
+        "dequantize_gbps": dq_bytes / dequantize_s / 1e9,
+        "roundtrip_gbps": (q_bytes + dq_bytes) / roundtrip_s / 1e9,
+        "roundtrip_gvalues_per_s": numel / roundtrip_s / 1e9,
+    }
+
+
+def _measure_copy(x: torch.Tensor, repeats: int) -> dict:
+    """Copy into a reused buffer (the bound) and ``clone`` (which, like quantize, allocates its output)."""
+    destination = torch.empty_like(x)
+    seconds = _median_seconds(lambda: destination.copy_(x), x.device, repeats)
+    clone_seconds = _median_seconds(x.clone, x.device, repeats)
+    moved = 2 * x.numel() * x.element_size()
+    return {"numel": x.numel(), "seconds": seconds, "gbps": moved / seconds / 1e9, "clone_gbps": moved / clone_seconds / 1e9}
+
+
+def _measure_setting(device: torch.device, args: argparse.Namespace, bits_list: list[int]) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.numel, generator=generator).to(device)
+    x_reference = x[: min(args.numel, args.reference_numel)].clone()
+    setting: dict = {"copy": _measure_copy(x, args.repeats), "backends": {}}
+    for name, kernels in _backend.available_kernels(device).items():
+        sample = x_reference if kernels is reference else x
+        repeats = min(args.repeats, 3) if kernels is reference else args.repeats
+        rows = []
+        for bits in bits_list:
+            logger.info("bench quant: %s %s bits=%d numel=%d", device, name, bits, sample.numel())
+            rows.append(_measure_backend(kernels, sample, bits, args.bucket_size, repeats))
+        setting["backends"][name] = rows
+    _add_ratios(setting)
+    return setting
+
+
+def _add_ratios(setting: dict) -> None:
+    copy_gbps = setting["copy"]["gbps"]
+    reference_rows = {row["bits"]: row for row in setting["backends"].get("reference", [])}
+    for rows in setting["backends"].values():
+        for row in rows:
+            row["roundtrip_vs_copy"] = row["roundtrip_gbps"] / copy_gbps
+            base = reference_rows.get(row["bits"])
+            if base is not None:
+                row["roundtrip_vs_reference"] = row["roundtrip_gbps"] / base["roundtrip_gbps"]
+
+
+def _goals(settings: dict) -> dict:
+    """Per thread setting: does the C++ kernel reach 5x the reference and 30% of copy bandwidth?"""
+    goals = {}
+    for label, setting in settings.items():
+        rows = setting["backends"].get("cpu")
+        if not rows:
+            continue
+        goals[label] = {
+            "min_roundtrip_vs_reference": min(row.get("roundtrip_vs_reference", math.nan) for row in rows),
+            "min_roundtrip_vs_copy": min(row["roundtrip_vs_copy"] for row in rows),
+        }
+        goals[label]["met"] = (
+            goals[label]["min_roundtrip_vs_reference"] >= _GOAL_VS_REFERENCE
+            and goals[label]["min_roundtrip_vs_copy"] >= _GOAL_VS_COPY
+        )
+    return goals
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark; returns the JSON report (and writes the PNG when asked)."""
+    bits_list = [int(bits) for bits in _parse_list("bits", args.bits)]
+    if any(not 2 <= bits <= 8 for bits in bits_list):
+        raise ValueError(f"--bits={args.bits!r}: every value must be in [2, 8]")
+    for name in ("numel", "reference_numel", "repeats", "bucket_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    threads = _parse_list("threads", args.threads, allow_all=True)
+    default_threads = torch.get_num_threads()
+    settings: dict = {}
+    try:
+        for count in threads:
+            torch.set_num_threads(default_threads if count == "all" else int(count))
+            label = f"cpu_threads_{torch.get_num_threads()}"
+            if label not in settings:
+                settings[label] = _measure_setting(torch.device("cpu"), args, bits_list)
+    finally:
+        torch.set_num_threads(default_threads)
+    if torch.cuda.is_available():
+        settings["cuda"] = _measure_setting(torch.device("cuda"), args, bits_list)
+    report: dict = {
+        "benchmark": "quant",
+        "numel": args.numel,
+        "reference_numel": min(args.numel, args.reference_numel),
+        "bucket_size": args.bucket_size,
+        "bits": bits_list,
+        "repeats": args.repeats,
+        "default_threads": default_threads,
+        "bytes_moved": "quantize: 4n + bits*ceil(n/8) + 8*ceil(n/B); dequantize: the same; copy: 8n",
+        "settings": settings,
+        "goals": {"cpu_roundtrip_vs_reference": _GOAL_VS_REFERENCE, "cpu_roundtrip_vs_copy": _GOAL_VS_COPY,
+                  "by_setting": _goals(settings)},
+    }  # fmt: skip
+    json_path = getattr(args, "json_path", None)
+    png = args.png or (str(Path(json_path).with_suffix(".png")) if json_path else None)
+    if png:
+        _plot(report, png)
+        report["png"] = png
+    return report
+
+
+def _plot(report: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = report["settings"]
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)
+    for ax, (label, setting) in zip(axes[0], settings.items(), strict=True):
+        names, values = [], []
+        for backend, rows in setting["backends"].items():
+            for row in rows:
+                for op in ("quantize", "dequantize", "roundtrip"):
+                    names.append(f"{backend}\n{op} {row['bits']}b")
+                    values.append(row[f"{op}_gbps"])
+        ax.bar(range(len(values)), values, color=["C0" if "reference" in n else "C1" for n in names])
+        ax.axhline(setting["copy"]["gbps"], color="k", linestyle="--", label=f"copy {setting['copy']['gbps']:.1f} GB/s")
+        ax.set_xticks(range(len(values)), names, rotation=90, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("GB/s (bytes moved)")
+        ax.set_title(label.replace("_", " "))
+        ax.legend(fontsize=8)
+    fig.suptitle(f"qaccel codec throughput, {report['numel']:,} fp32 values, bucket {report['bucket_size']}")
+    fig.tight_layout()
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,413 @@
+// C++ (CPU) codecs: bit-identical to qaccel/quant/reference.py, parallel with at::parallel_for.
+//
+// Work is cut into fixed tiles of kTileNumel elements (a multiple of 8, so a tile owns whole
+// groups of packed codes). A tile computes the grid of every bucket it touches and writes the
+// metadata of the buckets that *start* inside it, so each output byte has exactly one writer and
+// the result does not depend on the number of threads. A bucket straddling two tiles has its
+// min/max computed by both (the same value), which costs at most 2 * bucket / tile extra reads;
+// buckets longer than kFusedMaxBucket get their grids from a separate pass instead.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "quant_common.h"
+#include "quant_cpu_avx512.h"
+
+namespace {
+
+using qaccel::BucketGrid;
+
+constexpr int64_t kTileNumel = 32768;       // 32 KiB of codes per tile: stays in L1/L2
+constexpr int64_t kFusedMaxBucket = 4096;   // larger buckets: grids from a separate pass
+
+inline float load_f32(const float* x, int64_t i) { return x[i]; }
+inline float load_f32(const c10::BFloat16* x, int64_t i) { return static_cast<float>(x[i]); }
+inline float load_f32(const c10::Half* x, int64_t i) { return static_cast<float>(x[i]); }
+
+// fp32 -> output dtype, rounding to nearest even as Tensor.copy_ does. torch's vectorized CPU
+// conversion writes NaN as 0xFFFF in bfloat16; do the same so even NaN bits match the reference.
+inline void store_out(float* out, int64_t i, float value) { out[i] = value; }
+inline void store_out(c10::BFloat16* out, int64_t i, float value) {
+  out[i] = std::isnan(value) ? c10::BFloat16(0xFFFF, c10::BFloat16::from_bits()) : c10::BFloat16(value);
+}
+inline void store_out(c10::Half* out, int64_t i, float value) { out[i] = c10::Half(value); }
+
+// A fresh multi-MB output is backed by new pages, and first-touch faults of 4 KiB pages can cost
+// more than the encoding (seen on VMs: ~60 ms for 64 MiB). Asking for transparent huge pages on
+// the page-aligned interior, before anything touches it, makes that one fault per 2 MiB. Advice
+// only: it changes no byte, and it is ignored where THP is off.
+void advise_huge_pages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < 4 * static_cast<int64_t>(kHuge)) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
+template <typename T>
+BucketGrid bucket_grid(const T* x, int64_t begin, int64_t end, int bits, bool meta_bf16) {
+  int32_t lo_key = INT32_MAX, hi_key = INT32_MIN;
+  uint32_t bad = 0;
+  const T* xs = x + begin;
+  const int64_t n = end - begin;
+  for (int64_t k = 0; k < n; ++k) {
+    const float v = load_f32(xs, k);
+    const int32_t key = qaccel::ordered_key(v);
+    lo_key = key < lo_key ? key : lo_key;
+    hi_key = key > hi_key ? key : hi_key;
+    bad |= qaccel::is_nonfinite_bits(qaccel::float_bits(v));
+  }
+  return qaccel::make_grid(qaccel::key_to_float(lo_key), qaccel::key_to_float(hi_key), bad != 0, bits, meta_bf16);
+}
+
+// codes[k] for the n elements at xs, whose flat indices are first, first+1, ... (same hi32).
+template <typename T>
+void encode_run(const T* xs, int64_t n, double lo64, double inv, bool nearest, uint32_t key, uint32_t first,
+                int levels, uint8_t* __restrict codes) {
+  int64_t k = 0;
+#if defined(QACCEL_HAVE_AVX512)
+  k = qaccel_avx512::encode_run(xs, n, lo64, inv, nearest, key, first, levels, codes);
+#endif
+  const double levels64 = static_cast<double>(levels);
+  if (nearest) {
+    for (; k < n; ++k) codes[k] = static_cast<uint8_t>(qaccel::encode_value(load_f32(xs, k), lo64, inv, 0.5, levels64));
+    return;
+  }
+  for (; k < n; ++k) {
+    const double u = qaccel::rng_uniform(key, first + static_cast<uint32_t>(k));
+    codes[k] = static_cast<uint8_t>(qaccel::encode_value(load_f32(xs, k), lo64, inv, u, levels64));
+  }
+}
+
+// codes[k] for elements [begin, end) of one bucket; the RNG key changes only where hi32(index) does.
+template <typename T>
+void encode_segment(const T* x, int64_t begin, int64_t end, const BucketGrid& grid, bool nearest, uint64_t seed,
+                    int levels, uint8_t* codes) {
+  for (int64_t i = begin; i < end;) {
+    const uint64_t index_hi = static_cast<uint64_t>(i) >> 32;
+    const int64_t run_end = std::min<int64_t>(end, static_cast<int64_t>((index_hi + 1) << 32));
+    encode_run(x + i, run_end - i, grid.lo64, grid.inv, nearest, qaccel::rng_key(seed, static_cast<uint32_t>(index_hi)),
+               static_cast<uint32_t>(i), levels, codes + (i - begin));
+    i = run_end;
+  }
+}
+
+inline void store_grid(const BucketGrid& grid, bool meta_bf16, void* lo, void* scale, int64_t bucket) {
+  if (meta_bf16) {
+    const uint16_t scale_bits =
+        std::isnan(grid.scale) ? qaccel::kBf16QuietNaN : static_cast<uint16_t>(qaccel::float_bits(grid.scale) >> 16);
+    static_cast<uint16_t*>(lo)[bucket] = static_cast<uint16_t>(qaccel::float_bits(grid.lo) >> 16);
+    static_cast<uint16_t*>(scale)[bucket] = scale_bits;
+  } else {
+    static_cast<float*>(lo)[bucket] = grid.lo;
+    static_cast<float*>(scale)[bucket] = grid.scale;
+  }
+}
+
+// Pack `count` codes of a tile (a multiple of 8 except at the end of the tensor). The tile buffer
+// has room up to the next multiple of 8; those padding codes are zeroed first. bits == 8 never
+// gets here: its codes are encoded straight into the output.
+template <int kBits>
+void pack_groups(const uint8_t* codes, int64_t groups, uint8_t* out) {
+  for (int64_t g = 0; g < groups; ++g) qaccel::pack_group(codes + 8 * g, kBits, out + kBits * g);
+}
+
+void pack_tile(int bits, uint8_t* codes, int64_t count, uint8_t* out) {
+  const int64_t padded = (count + 7) / 8 * 8;
+  std::fill(codes + count, codes + padded, uint8_t{0});
+  switch (bits) {
+    case 2:  // four codes per byte, LSB first (= the 8-codes-in-2-bytes group layout)
+      for (int64_t i = 0; i < padded / 4; ++i)
+        out[i] = static_cast<uint8_t>(codes[4 * i] | (codes[4 * i + 1] << 2) | (codes[4 * i + 2] << 4) |
+                                      (codes[4 * i + 3] << 6));
+      return;
+    case 4:
+      for (int64_t i = 0; i < padded / 2; ++i) out[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
+      return;
+    case 3: return pack_groups<3>(codes, padded / 8, out);
+    case 5: return pack_groups<5>(codes, padded / 8, out);
+    case 6: return pack_groups<6>(codes, padded / 8, out);
+    default: return pack_groups<7>(codes, padded / 8, out);
+  }
+}
+
+template <int kBits>
+void unpack_groups(const uint8_t* packed, int64_t groups, uint8_t* codes) {
+  constexpr uint64_t mask = (1u << kBits) - 1u;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint64_t word = qaccel::load_group(packed + kBits * g, kBits);
+    for (int j = 0; j < 8; ++j) codes[8 * g + j] = static_cast<uint8_t>((word >> (kBits * j)) & mask);
+  }
+}
+
+// Codes of `count` elements starting at a multiple of 8; `buffer` holds count rounded up to 8.
+const uint8_t* unpack_tile(int bits, const uint8_t* packed, int64_t count, uint8_t* buffer) {
+  const int64_t groups = (count + 7) / 8;
+  switch (bits) {
+    case 8: return packed;  // one code per byte already
+    case 2:
+      for (int64_t i = 0; i < 2 * groups; ++i) {
+        const uint32_t byte = packed[i];
+        for (int j = 0; j < 4; ++j) buffer[4 * i + j] = static_cast<uint8_t>((byte >> (2 * j)) & 3u);
+      }
+      return buffer;
+    case 4:
+      for (int64_t i = 0; i < 4 * groups; ++i) {
+        buffer[2 * i] = packed[i] & 15u;
+        buffer[2 * i + 1] = packed[i] >> 4;
+      }
+      return buffer;
+    case 3: unpack_groups<3>(packed, groups, buffer); return buffer;
+    case 5: unpack_groups<5>(packed, groups, buffer); return buffer;
+    case 6: unpack_groups<6>(packed, groups, buffer); return buffer;
+    default: unpack_groups<7>(packed, groups, buffer); return buffer;
+  }
+}
+
+template <typename T>
+void quantize_impl(const T* x, int64_t numel, int bits, int64_t bucket, bool nearest, uint64_t seed, bool meta_bf16,
+                   void* lo, void* scale, uint8_t* packed) {
+  const int64_t num_buckets = (numel + bucket - 1) / bucket;
+  const int levels = (1 << bits) - 1;
+  const bool fused = bucket <= kFusedMaxBucket;
+  std::vector<BucketGrid> grids;
+  if (!fused) {
+    grids.resize(num_buckets);
+    at::parallel_for(0, num_buckets, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        grids[b] = bucket_grid(x, b * bucket, std::min(numel, (b + 1) * bucket), bits, meta_bf16);
+        store_grid(grids[b], meta_bf16, lo, scale, b);
+      }
+    });
+  }
+  const int64_t tiles = (numel + kTileNumel - 1) / kTileNumel;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> buffer(bits == 8 ? 0 : kTileNumel);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e0 = t * kTileNumel, e1 = std::min(numel, e0 + kTileNumel);
+      uint8_t* codes = bits == 8 ? packed + e0 : buffer.data();
+      for (int64_t b = e0 / bucket; b * bucket < e1; ++b) {
+        const int64_t bs = b * bucket, be = std::min(numel, bs + bucket);
+        BucketGrid grid;
+        if (fused) {
+          grid = bucket_grid(x, bs, be, bits, meta_bf16);
+          if (bs >= e0) store_grid(grid, meta_bf16, lo, scale, b);
+        } else {
+          grid = grids[b];
+        }
+        const int64_t s0 = std::max(bs, e0), s1 = std::min(be, e1);
+        encode_segment(x, s0, s1, grid, nearest, seed, levels, codes + (s0 - e0));
+      }
+      if (bits == 8) {
+        std::fill(codes + (e1 - e0), codes + (e1 - e0 + 7) / 8 * 8, uint8_t{0});  // padding codes
+      } else {
+        pack_tile(bits, codes, e1 - e0, packed + (e0 / 8) * bits);
+      }
+    }
+  });
+}
+
+template <typename Meta, typename Out>
+void dequantize_impl(const uint8_t* packed, const Meta* lo, const Meta* scale, int bits, int64_t bucket, Out* out,
+                     int64_t numel, bool accumulate) {
+  const int64_t tiles = (numel + kTileNumel - 1) / kTileNumel;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> buffer(bits == 8 ? 0 : kTileNumel);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e0 = t * kTileNumel, e1 = std::min(numel, e0 + kTileNumel);
+      const uint8_t* codes = unpack_tile(bits, packed + (e0 / 8) * bits, e1 - e0, buffer.data());
+      for (int64_t b = e0 / bucket; b * bucket < e1; ++b) {
+        const int64_t s0 = std::max(b * bucket, e0), s1 = std::min(std::min(numel, (b + 1) * bucket), e1);
+        const double lo64 = static_cast<double>(static_cast<float>(lo[b]));
+        const double scale64 = static_cast<double>(static_cast<float>(scale[b]));
+        const uint8_t* seg = codes + (s0 - e0);
+        if (accumulate) {
+          for (int64_t i = s0; i < s1; ++i) {
+            const float sum = static_cast<float>(out[i]) + qaccel::decode_value(lo64, scale64, seg[i - s0]);
+            store_out(out, i, sum);
+          }
+        } else {
+          for (int64_t i = s0; i < s1; ++i) store_out(out, i, qaccel::decode_value(lo64, scale64, seg[i - s0]));
+        }
+      }
+    }
+  });
+}
+
+void check_cpu_contiguous(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+void check_float_dtype(const torch::Tensor& t, const char* name) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, name, ".dtype=", dtype,
+              ": must be float32, bfloat16 or float16");
+}
+
+std::vector<torch::Tensor> quantize_buckets(torch::Tensor x, int64_t bits, int64_t bucket_size, bool nearest,
+                                            uint64_t seed, bool meta_bf16) {
+  check_cpu_contiguous(x, "x");
+  check_float_dtype(x, "x");
+  TORCH_CHECK(bits >= 2 && bits <= 8, "bits=", bits, ": must be an int in [2, 8]");
+  TORCH_CHECK(bucket_size >= 1, "bucket_size=", bucket_size, ": must be >= 1");
+  const int64_t numel = x.numel();
+  const int64_t num_buckets = (numel + bucket_size - 1) / bucket_size;
+  const auto meta_options = x.options().dtype(meta_bf16 ? at::kBFloat16 : at::kFloat);
+  auto lo = torch::empty({num_buckets}, meta_options);
+  auto scale = torch::empty({num_buckets}, meta_options);
+  auto packed = torch::empty({bits * ((numel + 7) / 8)}, x.options().dtype(at::kByte));
+  if (numel == 0) return {packed, lo, scale};
+  advise_huge_pages(packed.data_ptr(), packed.numel());
+  const int b = static_cast<int>(bits);
+  uint8_t* codes = packed.data_ptr<uint8_t>();
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      quantize_impl(x.data_ptr<float>(), numel, b, bucket_size, nearest, seed, meta_bf16, lo.data_ptr(),
+                    scale.data_ptr(), codes);
+      break;
+    case at::kBFloat16:
+      quantize_impl(x.data_ptr<c10::BFloat16>(), numel, b, bucket_size, nearest, seed, meta_bf16, lo.data_ptr(),
+                    scale.data_ptr(), codes);
+      break;
+    default:
+      quantize_impl(x.data_ptr<c10::Half>(), numel, b, bucket_size, nearest, seed, meta_bf16, lo.data_ptr(),
+                    scale.data_ptr(), codes);
+  }
+  return {packed, lo, scale};
+}
+
+template <typename Meta>
+void dequantize_meta(const torch::Tensor& codes, const torch::Tensor& lo, const torch::Tensor& scale, int bits,
+                     int64_t bucket, torch::Tensor& out, bool accumulate) {
+  const uint8_t* packed = codes.data_ptr<uint8_t>();
+  const Meta* lo_p = lo.data_ptr<Meta>();
+  const Meta* scale_p = scale.data_ptr<Meta>();
+  const int64_t numel = out.numel();
+  switch (out.scalar_type()) {
+    case at::kFloat:
+      dequantize_impl(packed, lo_p, scale_p, bits, bucket, out.data_ptr<float>(), numel, accumulate);
+      break;
+    case at::kBFloat16:
+      dequantize_impl(packed, lo_p, scale_p, bits, bucket, out.data_ptr<c10::BFloat16>(), numel, accumulate);
+      break;
+    default:
+      dequantize_impl(packed, lo_p, scale_p, bits, bucket, out.data_ptr<c10::Half>(), numel, accumulate);
+  }
+}
+
+torch::Tensor dequantize_into(torch::Tensor codes, torch::Tensor lo, torch::Tensor scale, int64_t bits,
+                              int64_t bucket_size, torch::Tensor out, bool accumulate) {
+  check_cpu_contiguous(codes, "codes");
+  check_cpu_contiguous(lo, "lo");
+  check_cpu_contiguous(scale, "scale");
+  check_cpu_contiguous(out, "out");
+  check_float_dtype(out, "out");
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "codes.dtype=", codes.scalar_type(), ": must be uint8");
+  TORCH_CHECK(bits >= 2 && bits <= 8, "bits=", bits, ": must be an int in [2, 8]");
+  TORCH_CHECK(bucket_size >= 1, "bucket_size=", bucket_size, ": must be >= 1");
+  TORCH_CHECK(lo.scalar_type() == scale.scalar_type() &&
+                  (lo.scalar_type() == at::kFloat || lo.scalar_type() == at::kBFloat16),
+              "lo/scale: must both be float32 or both bfloat16");
+  const int64_t numel = out.numel();
+  if (numel == 0) return out;
+  const int64_t num_buckets = (numel + bucket_size - 1) / bucket_size;
+  TORCH_CHECK(codes.numel() >= bits * ((numel + 7) / 8), "codes has ", codes.numel(), " bytes: expected ",
+              bits * ((numel + 7) / 8));
+  TORCH_CHECK(lo.numel() >= num_buckets && scale.numel() >= num_buckets, "lo/scale: expected ", num_buckets,
+              " buckets");
+  if (lo.scalar_type() == at::kFloat) {
+    dequantize_meta<float>(codes, lo, scale, static_cast<int>(bits), bucket_size, out, accumulate);
+  } else {
+    dequantize_meta<c10::BFloat16>(codes, lo, scale, static_cast<int>(bits), bucket_size, out, accumulate);
+  }
+  return out;
+}
+
+template <typename T>
+void sign_pack_impl(const T* x, int64_t chunks, int64_t chunk_numel, uint8_t* out) {
+  const int64_t chunk_bytes = (chunk_numel + 7) / 8;
+  at::parallel_for(0, chunks * chunk_bytes, kTileNumel / 8, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t chunk = k / chunk_bytes, first = (k % chunk_bytes) * 8;
+      const int64_t count = std::min<int64_t>(8, chunk_numel - first);
+      const T* src = x + chunk * chunk_numel + first;
+      uint32_t byte = 0;
+      for (int64_t j = 0; j < count; ++j) byte |= static_cast<uint32_t>(load_f32(src, j) >= 0.0f) << (7 - j);
+      out[k] = static_cast<uint8_t>(byte);  // MSB first; NaN compares false -> bit 0
+    }
+  });
+}
+
+torch::Tensor sign_pack(torch::Tensor x, int64_t chunks) {
+  check_cpu_contiguous(x, "x");
+  check_float_dtype(x, "x");
+  TORCH_CHECK(chunks >= 1 && x.numel() % chunks == 0, "chunks=", chunks, ": must divide x.numel()=", x.numel());
+  const int64_t chunk_numel = x.numel() / chunks;
+  const int64_t total = x.numel() == 0 ? 0 : chunks * ((chunk_numel + 7) / 8);
+  auto out = torch::empty({total}, x.options().dtype(at::kByte));
+  if (total == 0) return out;
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  switch (x.scalar_type()) {
+    case at::kFloat: sign_pack_impl(x.data_ptr<float>(), chunks, chunk_numel, dst); break;
+    case at::kBFloat16: sign_pack_impl(x.data_ptr<c10::BFloat16>(), chunks, chunk_numel, dst); break;
+    default: sign_pack_impl(x.data_ptr<c10::Half>(), chunks, chunk_numel, dst);
+  }
+  return out;
+}
+
+torch::Tensor sign_unpack(torch::Tensor signs, torch::Tensor scales, int64_t numel, torch::Tensor out) {
+  check_cpu_contiguous(signs, "signs");
+  check_cpu_contiguous(out, "out");
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "out.dtype=", out.scalar_type(), ": must be float32");
+  TORCH_CHECK(out.numel() == numel, "out.numel()=", out.numel(), ": must equal numel=", numel);
+  if (numel == 0) return out;
+  const auto scales32 = scales.to(at::kFloat).contiguous();
+  const int64_t chunks = scales32.numel();
+  TORCH_CHECK(chunks >= 1 && numel % chunks == 0, "scales has ", chunks, " chunks: must divide numel=", numel);
+  const int64_t chunk_numel = numel / chunks, chunk_bytes = (chunk_numel + 7) / 8;
+  TORCH_CHECK(signs.numel() == chunks * chunk_bytes, "signs has ", signs.numel(), " bytes: expected ",
+              chunks * chunk_bytes);
+  const uint8_t* src = signs.data_ptr<uint8_t>();
+  const float* scale = scales32.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, chunks * chunk_bytes, kTileNumel / 8, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t chunk = k / chunk_bytes, first = (k % chunk_bytes) * 8;
+      const int64_t count = std::min<int64_t>(8, chunk_numel - first);
+      const float chunk_scale = scale[chunk];
+      const uint32_t byte = src[k];
+      float* out_byte = dst + chunk * chunk_numel + first;
+      for (int64_t j = 0; j < count; ++j) {
+        const int sign = 2 * static_cast<int>((byte >> (7 - j)) & 1u) - 1;
+        // (+-1) * scale in fp32, as the reference multiplies (negating would flip a NaN's sign).
+        out_byte[j] = static_cast<float>(sign) * chunk_scale;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "qaccel C++ codecs (bit-identical to qaccel.quant.reference)";
+  m.def("quantize_buckets", &quantize_buckets, "bucketed k-bit quantization -> [codes, lo, scale]");
+  m.def("dequantize_into", &dequantize_into, "decode (or add) packed codes into out");
+  m.def("sign_pack", &sign_pack, "sign bits, MSB first, per chunk padded to bytes");
+  m.def("sign_unpack", &sign_unpack, "scale_c * (+-1) into out");
+}

@@ -1,0 +1,391 @@
+// CUDA codecs: bit-identical to qaccel/quant/reference.py (see quant_common.h for the maths).
+//
+// Standalone on purpose: only the CUDA runtime and quant_common.h, no torch headers, so this file
+// compiles in seconds with nvcc even where torch is a CPU-only wheel (which lacks the generated
+// c10/cuda headers); quant_cuda_binding.cpp is the thin torch layer. Build with --fmad=false.
+//
+// Quantize, fast path (bucket % 8 == 0 and x 16-byte aligned): one warp per bucket; each lane
+// loads whole groups of 8 elements with 16-byte loads, keeps them in registers (buckets up to
+// 1024 elements), the warp reduces min/max with shuffles, every lane derives the grid (one
+// division per bucket, never per element) and encodes and packs its groups, so x is read once.
+// Other buckets: a warp-per-bucket grid pass into a double workspace, then one thread per group.
+// Dequantize: one thread per group of 8 codes, 16-byte stores of the decoded values.
+#include "quant_common.h"
+#include "quant_cuda.h"
+#include "quant_cuda_device.cuh"
+
+namespace qaccel_cuda {
+namespace {
+
+using qaccel::BucketGrid;
+
+// Min/max over order-preserving integer keys (quant_common.h), as the C++ backend does.
+struct MinMax {
+  int32_t lo = INT32_MAX;
+  int32_t hi = INT32_MIN;
+  uint32_t bad = 0;
+
+  __device__ __forceinline__ void add(float v) {
+    const int32_t key = qaccel::ordered_key(v);
+    lo = min(lo, key);
+    hi = max(hi, key);
+    bad |= qaccel::is_nonfinite_bits(qaccel::float_bits(v));
+  }
+
+  __device__ __forceinline__ void warp_reduce() {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      lo = min(lo, __shfl_xor_sync(kFullMask, lo, offset));
+      hi = max(hi, __shfl_xor_sync(kFullMask, hi, offset));
+      bad |= __shfl_xor_sync(kFullMask, bad, offset);
+    }
+  }
+
+  __device__ __forceinline__ BucketGrid grid(int bits, bool meta_bf16) const {
+    return qaccel::make_grid(qaccel::key_to_float(lo), qaccel::key_to_float(hi), bad != 0, bits, meta_bf16);
+  }
+};
+
+__device__ __forceinline__ void store_meta(const BucketGrid& grid, bool meta_bf16, void* lo, void* scale, int64_t b) {
+  if (meta_bf16) {
+    static_cast<uint16_t*>(lo)[b] = static_cast<uint16_t>(qaccel::float_bits(grid.lo) >> 16);
+    static_cast<uint16_t*>(scale)[b] =
+        isnan(grid.scale) ? qaccel::kBf16QuietNaN : static_cast<uint16_t>(qaccel::float_bits(grid.scale) >> 16);
+  } else {
+    static_cast<float*>(lo)[b] = grid.lo;
+    static_cast<float*>(scale)[b] = grid.scale;
+  }
+}
+
+// Codes of the group starting at e0 (< end) under one grid; the group never crosses hi32(index).
+__device__ __forceinline__ uint64_t encode_group(const float v[8], int64_t e0, int64_t end, const BucketGrid& grid,
+                                                 bool nearest, uint64_t seed, int bits, double levels) {
+  const uint32_t key = qaccel::rng_key(seed, static_cast<uint32_t>(static_cast<uint64_t>(e0) >> 32));
+  uint64_t word = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const double u = nearest ? 0.5 : qaccel::rng_uniform(key, static_cast<uint32_t>(e0 + j));
+    const uint32_t code = qaccel::encode_value(static_cast<double>(v[j]), grid.lo64, grid.inv, u, levels);
+    word |= static_cast<uint64_t>(e0 + j < end ? code : 0u) << (bits * j);
+  }
+  return word;
+}
+
+// ---- quantize: fused warp-per-bucket path ----------------------------------------------------
+
+template <typename Tag, int kGroupsPerLane>  // 0: re-read the bucket instead of keeping registers
+__global__ void __launch_bounds__(kThreads) quantize_fused_kernel(const typename Tag::T* __restrict__ x, int64_t numel,
+                                                                  int bits, int64_t bucket, int64_t num_buckets,
+                                                                  bool nearest, uint64_t seed, bool meta_bf16,
+                                                                  void* lo, void* scale, uint8_t* __restrict__ codes) {
+  const int lane = threadIdx.x & 31;
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const double levels = static_cast<double>((1 << bits) - 1);
+  for (int64_t b = first_warp; b < num_buckets; b += warps) {
+    const int64_t begin = b * bucket;
+    const int64_t end = min(numel, begin + bucket);
+    const int64_t groups = (end - begin + 7) >> 3;
+    MinMax extremes;
+    constexpr int kKept = kGroupsPerLane > 0 ? kGroupsPerLane : 1;
+    float kept[kKept][8];
+    if constexpr (kGroupsPerLane > 0) {
+#pragma unroll
+      for (int k = 0; k < kGroupsPerLane; ++k) {
+        const int64_t g = lane + 32 * k;
+        if (g < groups) {
+          const int64_t e0 = begin + 8 * g;
+          load_group<Tag>(x, e0, end, kept[k]);
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            if (e0 + j < end) extremes.add(kept[k][j]);
+        }
+      }
+    } else {
+      for (int64_t g = lane; g < groups; g += 32) {
+        const int64_t e0 = begin + 8 * g;
+        load_group<Tag>(x, e0, end, kept[0]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (e0 + j < end) extremes.add(kept[0][j]);
+      }
+    }
+    extremes.warp_reduce();
+    const BucketGrid grid = extremes.grid(bits, meta_bf16);
+    if (lane == 0) store_meta(grid, meta_bf16, lo, scale, b);
+    if constexpr (kGroupsPerLane > 0) {
+#pragma unroll
+      for (int k = 0; k < kGroupsPerLane; ++k) {
+        const int64_t g = lane + 32 * k;
+        if (g < groups) {
+          const int64_t e0 = begin + 8 * g;
+          store_packed(codes + (e0 >> 3) * bits, encode_group(kept[k], e0, end, grid, nearest, seed, bits, levels), bits);
+        }
+      }
+    } else {
+      for (int64_t g = lane; g < groups; g += 32) {
+        const int64_t e0 = begin + 8 * g;
+        load_group<Tag>(x, e0, end, kept[0]);  // second read, mostly from L1/L2
+        store_packed(codes + (e0 >> 3) * bits, encode_group(kept[0], e0, end, grid, nearest, seed, bits, levels), bits);
+      }
+    }
+  }
+}
+
+// ---- quantize: general two-pass path --------------------------------------------------------------
+
+template <typename Tag>
+__global__ void __launch_bounds__(kThreads) bucket_grid_kernel(const typename Tag::T* __restrict__ x, int64_t numel,
+                                                               int bits, int64_t bucket, int64_t num_buckets,
+                                                               bool meta_bf16, void* lo, void* scale,
+                                                               double* __restrict__ workspace) {
+  const int lane = threadIdx.x & 31;
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t b = first_warp; b < num_buckets; b += warps) {
+    const int64_t begin = b * bucket;
+    const int64_t end = min(numel, begin + bucket);
+    MinMax extremes;
+    for (int64_t e = begin + lane; e < end; e += 32) extremes.add(Tag::load(x, e));
+    extremes.warp_reduce();
+    if (lane == 0) {
+      const BucketGrid grid = extremes.grid(bits, meta_bf16);
+      store_meta(grid, meta_bf16, lo, scale, b);
+      workspace[2 * b] = grid.lo64;
+      workspace[2 * b + 1] = grid.inv;
+    }
+  }
+}
+
+__device__ __forceinline__ int64_t bucket_of(int64_t index, int64_t bucket) {
+  // 64-bit division is emulated on the GPU; most tensors fit the cheaper 32-bit one.
+  if (index <= 0xFFFFFFFFll && bucket <= 0xFFFFFFFFll)
+    return static_cast<uint32_t>(index) / static_cast<uint32_t>(bucket);
+  return index / bucket;
+}
+
+template <typename Tag>
+__global__ void __launch_bounds__(kThreads) encode_kernel(const typename Tag::T* __restrict__ x, int64_t numel,
+                                                          int bits, int64_t bucket, bool nearest, uint64_t seed,
+                                                          const double* __restrict__ workspace,
+                                                          uint8_t* __restrict__ codes, int64_t groups) {
+  const double levels = static_cast<double>((1 << bits) - 1);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    const int64_t e0 = 8 * g;
+    int64_t b = bucket_of(e0, bucket);
+    int64_t offset = e0 - b * bucket;
+    const uint32_t key = qaccel::rng_key(seed, static_cast<uint32_t>(static_cast<uint64_t>(e0) >> 32));
+    uint64_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t e = e0 + j;
+      if (e < numel) {
+        const double u = nearest ? 0.5 : qaccel::rng_uniform(key, static_cast<uint32_t>(e));
+        const uint32_t code = qaccel::encode_value(static_cast<double>(Tag::load(x, e)), workspace[2 * b],
+                                                   workspace[2 * b + 1], u, levels);
+        word |= static_cast<uint64_t>(code) << (bits * j);
+      }
+      if (++offset == bucket) offset = 0, ++b;
+    }
+    store_packed(codes + g * bits, word, bits);
+  }
+}
+
+// ---- dequantize ---------------------------------------------------------------------------------
+
+template <typename MetaTag, typename OutTag>
+__global__ void __launch_bounds__(kThreads) decode_kernel(const uint8_t* __restrict__ codes,
+                                                          const typename MetaTag::T* __restrict__ lo,
+                                                          const typename MetaTag::T* __restrict__ scale, int bits,
+                                                          int64_t bucket, typename OutTag::T* __restrict__ out,
+                                                          int64_t numel, bool accumulate, bool out_aligned,
+                                                          bool codes_aligned, int64_t groups) {
+  const uint64_t mask = (1ull << bits) - 1ull;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    const int64_t e0 = 8 * g;
+    const uint64_t word = load_packed(codes + g * bits, bits, codes_aligned);
+    int64_t b = bucket_of(e0, bucket);
+    int64_t offset = e0 - b * bucket;
+    float v[8];
+    if (offset + 8 <= bucket) {  // the whole group lies in one bucket
+      const double lo64 = MetaTag::load(lo, b), scale64 = MetaTag::load(scale, b);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        v[j] = qaccel::decode_value(lo64, scale64, static_cast<uint32_t>((word >> (bits * j)) & mask));
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const bool real = e0 + j < numel;  // padding codes may point past the last bucket
+        v[j] = real ? qaccel::decode_value(MetaTag::load(lo, b), MetaTag::load(scale, b),
+                                           static_cast<uint32_t>((word >> (bits * j)) & mask))
+                    : 0.0f;
+        if (++offset == bucket) offset = 0, ++b;
+      }
+    }
+    const bool full = e0 + 8 <= numel;
+    if (accumulate) {
+      // sum in fp32, then round to the output dtype, as out.to(float32) + x_hat does
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (e0 + j < numel) v[j] = OutTag::load(out, e0 + j) + v[j];
+    }
+    if (full && out_aligned) {
+      store8<OutTag>(out + e0, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (e0 + j < numel) OutTag::store(out, e0 + j, v[j]);
+    }
+  }
+}
+
+// ---- sign codec ---------------------------------------------------------------------------------
+
+template <typename Tag>
+__global__ void __launch_bounds__(kThreads) sign_pack_kernel(const typename Tag::T* __restrict__ x,
+                                                             int64_t chunk_numel, int64_t chunk_bytes,
+                                                             int64_t total_bytes, uint8_t* __restrict__ out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total_bytes; k += stride) {
+    const int64_t chunk = k / chunk_bytes, first = (k - chunk * chunk_bytes) * 8;
+    const typename Tag::T* src = x + chunk * chunk_numel + first;
+    uint32_t byte = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (first + j < chunk_numel) byte |= static_cast<uint32_t>(Tag::load(src, j) >= 0.0f) << (7 - j);
+    out[k] = static_cast<uint8_t>(byte);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) sign_unpack_kernel(const uint8_t* __restrict__ signs,
+                                                               const float* __restrict__ scales, int64_t chunk_numel,
+                                                               int64_t chunk_bytes, int64_t total_bytes,
+                                                               float* __restrict__ out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total_bytes; k += stride) {
+    const int64_t chunk = k / chunk_bytes, first = (k - chunk * chunk_bytes) * 8;
+    const float chunk_scale = scales[chunk];
+    const uint32_t byte = signs[k];
+    float* dst = out + chunk * chunk_numel + first;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (first + j < chunk_numel) dst[j] = static_cast<float>(2 * static_cast<int>((byte >> (7 - j)) & 1u) - 1) * chunk_scale;
+  }
+}
+
+template <typename Tag>
+cudaError_t quantize_typed(const void* x_raw, int64_t numel, int bits, int64_t bucket, bool nearest, uint64_t seed,
+                           bool meta_bf16, void* lo, void* scale, uint8_t* codes, double* workspace,
+                           cudaStream_t stream) {
+  const auto* x = static_cast<const typename Tag::T*>(x_raw);
+  const int64_t num_buckets = (numel + bucket - 1) / bucket;
+  const unsigned blocks = grid_for(num_buckets, kWarpsPerBlock);
+  if (!quantize_needs_workspace(x_raw, bucket)) {
+    const int64_t groups_per_lane = (bucket / 8 + 31) / 32;
+#define QACCEL_FUSED(G)                                                                                  \
+  quantize_fused_kernel<Tag, G><<<blocks, kThreads, 0, stream>>>(x, numel, bits, bucket, num_buckets, nearest, \
+                                                                 seed, meta_bf16, lo, scale, codes)
+    if (groups_per_lane <= 1) {
+      QACCEL_FUSED(1);
+    } else if (groups_per_lane <= 2) {
+      QACCEL_FUSED(2);
+    } else if (groups_per_lane <= 4) {
+      QACCEL_FUSED(4);
+    } else {
+      QACCEL_FUSED(0);
+    }
+#undef QACCEL_FUSED
+    return cudaGetLastError();
+  }
+  bucket_grid_kernel<Tag><<<blocks, kThreads, 0, stream>>>(x, numel, bits, bucket, num_buckets, meta_bf16, lo, scale,
+                                                           workspace);
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return status;
+  const int64_t groups = (numel + 7) / 8;
+  encode_kernel<Tag><<<grid_for(groups, kThreads), kThreads, 0, stream>>>(x, numel, bits, bucket, nearest, seed,
+                                                                          workspace, codes, groups);
+  return cudaGetLastError();
+}
+
+template <typename MetaTag, typename OutTag>
+cudaError_t dequantize_typed(const uint8_t* codes, const void* lo, const void* scale, int bits, int64_t bucket,
+                             void* out, int64_t numel, bool accumulate, cudaStream_t stream) {
+  const int64_t groups = (numel + 7) / 8;
+  decode_kernel<MetaTag, OutTag><<<grid_for(groups, kThreads), kThreads, 0, stream>>>(
+      codes, static_cast<const typename MetaTag::T*>(lo), static_cast<const typename MetaTag::T*>(scale), bits, bucket,
+      static_cast<typename OutTag::T*>(out), numel, accumulate, aligned16(out),
+      (reinterpret_cast<uintptr_t>(codes) & 7u) == 0, groups);
+  return cudaGetLastError();
+}
+
+template <typename MetaTag>
+cudaError_t dequantize_meta(const uint8_t* codes, const void* lo, const void* scale, int bits, int64_t bucket,
+                            void* out, Dtype out_dtype, int64_t numel, bool accumulate, cudaStream_t stream) {
+  switch (out_dtype) {
+    case Dtype::kFloat32:
+      return dequantize_typed<MetaTag, F32>(codes, lo, scale, bits, bucket, out, numel, accumulate, stream);
+    case Dtype::kBFloat16:
+      return dequantize_typed<MetaTag, BF16>(codes, lo, scale, bits, bucket, out, numel, accumulate, stream);
+    default:
+      return dequantize_typed<MetaTag, F16>(codes, lo, scale, bits, bucket, out, numel, accumulate, stream);
+  }
+}
+
+}  // namespace
+
+bool quantize_needs_workspace(const void* x, int64_t bucket) { return bucket % 8 != 0 || !aligned16(x); }
+
+cudaError_t quantize(const void* x, Dtype dtype, int64_t numel, int bits, int64_t bucket, bool nearest, uint64_t seed,
+                     bool meta_bf16, void* lo, void* scale, uint8_t* codes, double* workspace, cudaStream_t stream) {
+  if (numel <= 0) return cudaSuccess;
+  switch (dtype) {
+    case Dtype::kFloat32:
+      return quantize_typed<F32>(x, numel, bits, bucket, nearest, seed, meta_bf16, lo, scale, codes, workspace, stream);
+    case Dtype::kBFloat16:
+      return quantize_typed<BF16>(x, numel, bits, bucket, nearest, seed, meta_bf16, lo, scale, codes, workspace, stream);
+    default:
+      return quantize_typed<F16>(x, numel, bits, bucket, nearest, seed, meta_bf16, lo, scale, codes, workspace, stream);
+  }
+}
+
+cudaError_t dequantize(const uint8_t* codes, const void* lo, const void* scale, bool meta_bf16, int bits,
+                       int64_t bucket, void* out, Dtype out_dtype, int64_t numel, bool accumulate,
+                       cudaStream_t stream) {
+  if (numel <= 0) return cudaSuccess;
+  if (meta_bf16) return dequantize_meta<MetaBF16>(codes, lo, scale, bits, bucket, out, out_dtype, numel, accumulate, stream);
+  return dequantize_meta<MetaF32>(codes, lo, scale, bits, bucket, out, out_dtype, numel, accumulate, stream);
+}
+
+cudaError_t sign_pack(const void* x, Dtype dtype, int64_t chunks, int64_t chunk_numel, uint8_t* out,
+                      cudaStream_t stream) {
+  const int64_t chunk_bytes = (chunk_numel + 7) / 8, total = chunks * chunk_bytes;
+  if (total <= 0) return cudaSuccess;
+  const unsigned blocks = grid_for(total, kThreads);
+  switch (dtype) {
+    case Dtype::kFloat32:
+      sign_pack_kernel<F32><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x), chunk_numel, chunk_bytes,
+                                                             total, out);
+      break;
+    case Dtype::kBFloat16:
+      sign_pack_kernel<BF16><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(x), chunk_numel,
+                                                              chunk_bytes, total, out);
+      break;
+    default:
+      sign_pack_kernel<F16><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(x), chunk_numel,
+                                                             chunk_bytes, total, out);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t sign_unpack(const uint8_t* signs, const float* scales, int64_t chunks, int64_t chunk_numel, float* out,
+                        cudaStream_t stream) {
+  const int64_t chunk_bytes = (chunk_numel + 7) / 8, total = chunks * chunk_bytes;
+  if (total <= 0) return cudaSuccess;
+  sign_unpack_kernel<<<grid_for(total, kThreads), kThreads, 0, stream>>>(signs, scales, chunk_numel, chunk_bytes,
+                                                                         total, out);
+  return cudaGetLastError();
+}
+
+}  // namespace qaccel_cuda

@@ -1,5 +1,46 @@
 """Collectives built on the codecs, and exact wire-byte accounting."""
 
 from ._accounting import CollectiveTally, WireMeter, default_meter, ring_all_gather_bytes
+from ._onebit import (
+    ONEBIT_PADDINGS,
+    OneBitLayout,
+    OneBitWireBytes,
+    compressed_allreduce,
+    onebit_layout,
+    onebit_wire_bytes,
+    ring_all_reduce_bytes,
+)
+from ._quantized import (
+    PayloadLayout,
+    WireCodec,
+    counted_all_gather,
+    counted_reduce_scatter,
+    decode_chunk,
+    encode_chunk,
+    mix_seed,
+    quantized_all_gather,
+    quantized_reduce_scatter,
+)
 
-__all__ = ["CollectiveTally", "WireMeter", "default_meter", "ring_all_gather_bytes"]
+__all__ = [
+    "CollectiveTally",
+    "WireMeter",
+    "default_meter",
+    "ring_all_gather_bytes",
+    "PayloadLayout",
+    "WireCodec",
+    "counted_all_gather",
+    "counted_reduce_scatter",
+    "decode_chunk",
+    "encode_chunk",
+    "mix_seed",
+    "quantized_all_gather",
+    "quantized_reduce_scatter",
+    "ONEBIT_PADDINGS",
+    "OneBitLayout",
+    "OneBitWireBytes",
+    "compressed_allreduce",
+    "onebit_layout",
+    "onebit_wire_bytes",
+    "ring_all_reduce_bytes",
+]

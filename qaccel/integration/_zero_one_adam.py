@@ -1,0 +1,135 @@
+"""0/1 Adam and 1-bit Adam under Accelerate (DDP): comm hook, process group, per-rank checkpoint files.
+
+``after_prepare`` runs at the end of every ``qaccel.Accelerator.prepare``. Once the prepared optimizer
+wraps a qaccel 1-bit optimizer and the DDP model holding its parameters is prepared (same or a later
+``prepare`` call), it:
+
+1. installs the comm hook on the DDP model (``shared/design/accelerate.md`` section 5: Accelerate's
+   ``DDPCommunicationHookType`` is a closed enum, so the hook is registered by hand; keep
+   ``DistributedDataParallelKwargs.comm_hook`` at NO, DDP accepts one hook), with the fp16 overflow
+   agreement when Accelerate uses a ``GradScaler``;
+2. points the optimizer at the DDP process group and the accelerator's wire meter;
+3. registers save/load-state pre-hooks: Accelerate writes ``optimizer.bin`` from the main process only
+   (``checkpointing.py`` ``save_accelerator_state``), so every rank also writes its private state to
+   ``qaccel_zoadam_rank{r}.pt`` (atomically) and stages it again before Accelerate loads the optimizer.
+
+With one process there is no DDP model; the optimizer runs with world size 1 (1-bit all-reduce = identity).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+from torch.nn.parallel import DistributedDataParallel
+
+from ..optim import OneBitOptimizerBase, register_ddp_comm_hook
+
+__all__ = ["after_prepare", "RANK_FILE"]
+
+logger = logging.getLogger(__name__)
+
+RANK_FILE = "qaccel_zoadam_rank{rank}.pt"
+_UNSUPPORTED = {
+    DistributedType.FSDP: "FSDP shards parameters and optimizer state",
+    DistributedType.DEEPSPEED: "DeepSpeed brings its own engine (use DeepSpeed's ZeroOneAdam there)",
+    DistributedType.MEGATRON_LM: "Megatron-LM brings its own engine",
+}
+
+
+def _onebit_optimizers(accelerator: Any) -> list[OneBitOptimizerBase]:
+    # Accelerate keeps every prepared optimizer in ``_optimizers``; a model and its optimizer may come from
+    # different prepare calls, so look at all of them, not only this call's objects.
+    return [
+        opt.optimizer
+        for opt in accelerator._optimizers
+        if isinstance(opt, AcceleratedOptimizer) and isinstance(opt.optimizer, OneBitOptimizerBase)
+    ]
+
+
+def _ddp_model_for(accelerator: Any, optimizer: OneBitOptimizerBase) -> DistributedDataParallel | None:
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+    for model in getattr(accelerator, "_qaccel_ddp_models", []):
+        if wanted <= {id(p) for p in model.parameters()}:
+            return model
+    return None
+
+
+def after_prepare(accelerator: Any, objects: list) -> None:
+    """Wire a prepared ZeroOneAdam / OneBitAdam to the prepared DDP model and to checkpointing."""
+    # Accelerate's ``_models`` holds the unwrapped module, not the DDP wrapper it returns: remember the
+    # wrappers of every prepare call, since the optimizer may be prepared in another call.
+    ddp_models = [obj for obj in objects if isinstance(obj, DistributedDataParallel)]
+    if ddp_models:
+        accelerator._qaccel_ddp_models = getattr(accelerator, "_qaccel_ddp_models", []) + ddp_models
+    optimizers = _onebit_optimizers(accelerator)
+    if not optimizers:
+        return
+    reason = _UNSUPPORTED.get(accelerator.distributed_type)
+    if reason is not None:
+        raise NotImplementedError(
+            f"{type(optimizers[0]).__name__} needs full replicas under DDP; distributed_type="
+            f"{accelerator.distributed_type.value} is not supported: {reason}"
+        )
+    if len(optimizers) > 1:
+        raise NotImplementedError(f"{len(optimizers)} qaccel 1-bit optimizers prepared; one per Accelerator is supported")
+    optimizer = optimizers[0]
+    optimizer.wire_meter = accelerator.wire_meter
+    if accelerator.num_processes > 1:
+        optimizer.require_comm_hook()
+        model = _ddp_model_for(accelerator, optimizer)
+        if model is not None and not optimizer.comm_hook_installed:
+            register_ddp_comm_hook(
+                model, optimizer, wire_meter=accelerator.wire_meter, agree_on_overflow=accelerator.scaler is not None
+            )
+    if not getattr(accelerator, "_qaccel_onebit_hooks", False):
+        accelerator.register_save_state_pre_hook(_save_hook(accelerator))
+        accelerator.register_load_state_pre_hook(_load_hook(accelerator))
+        accelerator._qaccel_onebit_hooks = True
+        if accelerator.is_main_process:
+            logger.info("%s config: %s", type(optimizer).__name__, optimizer.config.to_dict())
+
+
+def _rank_path(directory: str | os.PathLike, rank: int) -> Path:
+    return Path(directory) / RANK_FILE.format(rank=rank)
+
+
+def _save_hook(accelerator: Any):
+    def save(models: list, weights: list, output_dir: str) -> None:
+        for optimizer in _onebit_optimizers(accelerator):
+            path = _rank_path(output_dir, accelerator.process_index)
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            torch.save(optimizer.rank_state_dict(), tmp)
+            os.replace(tmp, path)  # atomic: a crash never leaves a half-written rank file
+
+    return save
+
+
+def _load_hook(accelerator: Any):
+    def load(models: list, input_dir: str) -> None:
+        for optimizer in _onebit_optimizers(accelerator):
+            rank, world = accelerator.process_index, accelerator.num_processes
+            path = _rank_path(input_dir, rank)
+            if not path.exists():
+                logger.warning(
+                    "rank %d: %s not found; this rank resumes without its error buffers (all ranks will reset "
+                    "them and average weights and momentum)", rank, path.name,
+                )  # fmt: skip
+                continue
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+            if payload.get("world_size") != world:
+                logger.warning(
+                    "rank %d: %s was saved with world size %s, now %d: error feedback is reset",
+                    rank, path.name, payload.get("world_size"), world,
+                )  # fmt: skip
+                continue
+            if payload.get("rank") != rank:
+                raise RuntimeError(f"{path}: holds the state of rank {payload.get('rank')}, expected rank {rank}")
+            optimizer.stage_rank_state(payload)
+
+    return load

@@ -1,0 +1,32 @@
+"""0/1 Adam and 1-bit Adam for data-parallel training (DDP), with DeepSpeed's key names and semantics.
+
+``ZeroOneAdam`` / ``OneBitAdam`` are torch optimizers; their 1-bit error-feedback all-reduce is
+:func:`qaccel.comm.compressed_allreduce`. Whether DDP all-reduces a step's gradients in full precision is
+decided by the optimizer's :class:`CommPlan`, which the DDP hook installed by
+:func:`register_ddp_comm_hook` (done by ``qaccel.Accelerator.prepare``) reads.
+"""
+
+from ._base import OneBitOptimizerBase
+from ._ddp_hook import OneBitCommHookState, onebit_comm_hook, register_ddp_comm_hook
+from ._schedule import CommPlan, OneBitAdamSchedule, Phase, StepKind, ZeroOneAdamSchedule, count_step_kinds
+from .config import GRANULARITIES, OneBitAdamConfig, ZeroOneAdamConfig
+from .onebit_adam import OneBitAdam
+from .zero_one_adam import ZeroOneAdam
+
+__all__ = [
+    "ZeroOneAdam",
+    "OneBitAdam",
+    "ZeroOneAdamConfig",
+    "OneBitAdamConfig",
+    "GRANULARITIES",
+    "OneBitOptimizerBase",
+    "StepKind",
+    "Phase",
+    "ZeroOneAdamSchedule",
+    "OneBitAdamSchedule",
+    "CommPlan",
+    "count_step_kinds",
+    "OneBitCommHookState",
+    "onebit_comm_hook",
+    "register_ddp_comm_hook",
+]

@@ -1,0 +1,240 @@
+"""What 0/1 Adam and 1-bit Adam share: units, lazy state, the 1-bit all-reduce, clipping, the step driver.
+
+The subclasses only choose the schedule and implement ``_apply(kind, units, grads, world_size)`` with the
+free functions of :mod:`qaccel.optim._functional`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import WireMeter, compressed_allreduce, default_meter, onebit_layout, ring_all_reduce_bytes
+from ._resume import ResumeMixin
+from ._schedule import CommPlan, OneBitAdamSchedule, StepKind, ZeroOneAdamSchedule
+from ._units import Unit, build_units, unit_grad, unit_params_as_weights
+from .config import _OneBitConfigBase
+
+__all__ = ["OneBitOptimizerBase", "COMPRESSED_KINDS"]
+
+COMPRESSED_KINDS = frozenset({StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM, StepKind.SYNC})
+"""Step kinds that issue the 1-bit all-reduce (every rank must join it)."""
+
+# Keys DeepSpeed param groups may carry that we cannot honour with these values.
+_GROUP_KEYS_REJECTED = {"non_freeze": (False,), "bias_correction": (False,), "eps_inside_sqrt": (False,), "amsgrad": (False,)}
+
+
+class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
+    """Base class; see :class:`qaccel.optim.ZeroOneAdam` and :class:`qaccel.optim.OneBitAdam`."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        config: _OneBitConfigBase,
+        schedule: ZeroOneAdamSchedule | OneBitAdamSchedule,
+        process_group: dist.ProcessGroup | None = None,
+        wire_meter: WireMeter | None = None,
+    ) -> None:
+        self.config = config
+        self.schedule = schedule
+        self.comm_plan = CommPlan(schedule)
+        self.wire_meter = default_meter if wire_meter is None else wire_meter
+        self.last_grad_norm: float | None = None
+        self._process_group = process_group
+        self._comm_hook_required = False
+        self._comm_hook_installed = False
+        self._units: list[Unit] | None = None
+        self._init_resume_state()
+        defaults = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------------------- groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``exp_avg_mask`` may be set per group.
+
+        ``exp_avg_mask`` (DeepSpeed's per-group key) multiplies the output of every 1-bit all-reduce of the
+        group, so masked coordinates whose gradient is always 0 keep a zero momentum (1-bit signs cannot
+        encode 0). The group must hold exactly one parameter, and the mask that parameter's numel.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = f"{type(self).__name__} param group {len(self.param_groups) - 1}"
+        lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
+            raise ValueError(f"{where}: lr={lr!r}: must be a number >= 0")
+        if len(tuple(betas)) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"{where}: betas={betas!r}: must be two numbers in [0, 1)")
+        if not eps > 0:
+            raise ValueError(f"{where}: eps={eps!r}: must be > 0")
+        if not weight_decay >= 0:
+            raise ValueError(f"{where}: weight_decay={weight_decay!r}: must be >= 0")
+        for key, allowed in _GROUP_KEYS_REJECTED.items():
+            if key in group and group[key] not in allowed:
+                raise NotImplementedError(f"{where}: {key}={group[key]!r}: only {allowed} is supported")
+        if "exp_avg_mask" in group:
+            mask, params = group["exp_avg_mask"], group["params"]
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(f"{where}: exp_avg_mask must be a torch.Tensor, got {type(mask).__name__}")
+            if len(params) != 1 or mask.numel() != params[0].numel():
+                raise ValueError(
+                    f"{where}: exp_avg_mask has {mask.numel()} elements; the group must hold exactly one parameter "
+                    f"with that many elements (it holds {len(params)} with {[p.numel() for p in params]})"
+                )
+        self._units = None
+
+    # ----------------------------------------------------------------------------- topology
+    def set_process_group(self, process_group: dist.ProcessGroup | None) -> None:
+        """Communicate over ``process_group`` (the DDP model's group); None means the default group."""
+        self._process_group = process_group
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self._process_group
+
+    def require_comm_hook(self) -> None:
+        """Refuse to step until :func:`qaccel.optim.register_ddp_comm_hook` has run (multi-process runs)."""
+        self._comm_hook_required = True
+
+    @property
+    def comm_hook_installed(self) -> bool:
+        return self._comm_hook_installed
+
+    def _mark_comm_hook_installed(self) -> None:
+        self._comm_hook_installed = True
+
+    def world_size(self) -> int:
+        """Ranks that average: the group's size, or 1 when torch.distributed is not initialized."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self._process_group)
+
+    def _units_now(self) -> list[Unit]:
+        if self._units is None:
+            self._units = build_units(self.param_groups, self.config.granularity)
+        return self._units
+
+    # -------------------------------------------------------------------------------- state
+    def _ensure_state(self, unit: Unit) -> dict:
+        state = self.state[unit.anchor]
+        if "exp_avg" not in state:
+            device = unit.anchor.device
+            state["exp_avg"] = torch.zeros(unit.shape, dtype=torch.float32, device=device)
+            state["exp_avg_sq"] = torch.zeros(unit.shape, dtype=torch.float32, device=device)
+            if unit.needs_master:
+                state["master_weights"] = unit_params_as_weights(unit)
+        self._ensure_phase_state(unit, state)
+        return state
+
+    def _ensure_phase_state(self, unit: Unit, state: dict) -> None:
+        """Subclass hook: create state that exists only in some phases."""
+
+    def _zero_error_buffers(self, state: dict) -> None:
+        for key in ("worker_error", "server_error"):
+            if key in state:
+                state[key].zero_()
+
+    # ------------------------------------------------------------------------- communication
+    def _average_1bit(self, units: list[Unit], payloads: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+        """C(payloads): the 1-bit error-feedback average over the group, or a fp32 copy when alone."""
+        if world_size == 1:
+            return [payload.to(torch.float32, copy=True) for payload in payloads]
+        layouts, worker_errors, server_errors = [], [], []
+        for unit in units:
+            state = self.state[unit.anchor]
+            layout = onebit_layout(unit.numel, world_size, self.config.padding)
+            if state.get("worker_error") is None or state["worker_error"].numel() != layout.padded_numel:
+                state["worker_error"], state["server_error"] = layout.new_error_buffers(unit.anchor.device)
+            layouts.append(layout)
+            worker_errors.append(state["worker_error"])
+            server_errors.append(state["server_error"])
+        return compressed_allreduce(
+            payloads, worker_errors, server_errors, layouts, group=self._process_group, meter=self.wire_meter
+        )
+
+    def _clip(self, grads: list[torch.Tensor | None], kind: StepKind, world_size: int) -> list[torch.Tensor | None]:
+        """Scale the gradients to ``gradient_clipping`` with a norm that is the same on every rank.
+
+        FULL steps: the norm of the all-reduced gradient (identical everywhere). Steps whose local
+        gradient feeds a 1-bit all-reduce (0/1 Adam phase 1, 1-bit Adam after the freeze): the root mean
+        square of the ranks' local norms, sqrt(mean_r ||g_r||^2), from one 4-byte all-reduce. 0/1 Adam
+        phase 2: the rank's own norm (its gradient only moves the local replica until the next sync,
+        and an all-reduce here would add a communication round to every local step).
+        """
+        max_norm = self.config.gradient_clipping
+        if max_norm <= 0:
+            self.last_grad_norm = None
+            return grads
+        live = [g for g in grads if g is not None]
+        if not live:
+            self.last_grad_norm = 0.0
+            return grads
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in live]))
+        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM) and world_size > 1:
+            squared = (norm * norm).reshape(1)
+            dist.all_reduce(squared, group=self._process_group)
+            self.wire_meter.record(
+                "onebit.clip_norm_all_reduce",
+                sent_bytes=ring_all_reduce_bytes(4, world_size),
+                recv_bytes=ring_all_reduce_bytes(4, world_size),
+            )
+            norm = torch.sqrt(squared[0] / world_size)
+        self.last_grad_norm = float(norm)
+        coef = max_norm / (self.last_grad_norm + 1e-6)
+        if coef >= 1.0:
+            return grads
+        return [g * coef if g is not None else None for g in grads]
+
+    # --------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One optimizer step of the kind the schedule dictates (see :class:`qaccel.optim.StepKind`)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._comm_hook_required and not self._comm_hook_installed:
+            raise RuntimeError(
+                f"{type(self).__name__}: no DDP model holding these parameters was prepared, so nothing decides "
+                "when gradients are all-reduced; pass the model to accelerator.prepare (or call "
+                "qaccel.optim.register_ddp_comm_hook)"
+            )
+        kind = self.schedule.next_kind()
+        units = self._units_now()
+        for unit in units:
+            self._ensure_state(unit)
+        if kind is StepKind.INIT:
+            # DeepSpeed's initialization step: state only, the gradient is discarded. Its C(0) warm-up is
+            # skipped: it leaves every buffer at zero (design doc section 9, row 7).
+            self.schedule.advance(kind)
+            self._pending_resume = None
+            return loss
+        world_size = self.world_size()
+        if self._pending_resume is not None:
+            self._finish_resume(units, world_size)
+        zeros_if_missing = world_size > 1 and kind in COMPRESSED_KINDS
+        grads = [unit_grad(unit, zeros_if_missing) for unit in units]
+        grads = self._clip(grads, kind, world_size)
+        self._apply(kind, units, grads, world_size)
+        if self.schedule.advance(kind):
+            for unit in units:
+                self._on_freeze(unit, self.state[unit.anchor])
+        interval = self.config.replica_check_interval
+        if interval and world_size > 1 and self.schedule.step % interval == 0:
+            self.check_replicas(units, world_size, f"at step {self.schedule.step}")
+        return loss
+
+    def _apply(self, kind: StepKind, units: list[Unit], grads: list[torch.Tensor | None], world_size: int) -> None:
+        raise NotImplementedError
+
+    def _on_freeze(self, unit: Unit, state: dict) -> None:
+        """Subclass hook at the end of the step that froze the variance."""
+        self._zero_error_buffers(state)
+
+    def _group_of(self, unit: Unit) -> dict:
+        return self.param_groups[unit.group_index]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r}, schedule={self.schedule!r})"

@@ -1,0 +1,97 @@
+"""Update maths of 0/1 Adam and 1-bit Adam as free functions over fp32 tensors.
+
+Each function is one line group of DeepSpeed's ``zoadam.py`` / ``adam.py`` step (design doc section 3),
+written with the same torch operations in the same order, so that fp32 results agree with DeepSpeed to
+the last bit where the inputs do. No bias correction; eps outside the square root; decoupled weight
+decay added to the update direction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "update_moments",
+    "update_momentum",
+    "adam_direction",
+    "descend",
+    "local_step",
+    "sync_payload",
+    "finish_sync",
+]
+
+
+def update_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float) -> None:
+    """Adam moments from an all-reduced gradient: ``v = b2 v + (1-b2) g^2``; ``m = b1 m + (1-b1) g``."""
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+
+
+def update_momentum(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> None:
+    """Momentum only (variance frozen or skipped): ``m = b1 m + (1-b1) g``."""
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+
+
+def adam_direction(
+    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, weights: torch.Tensor, eps: float, weight_decay: float
+) -> torch.Tensor:
+    """``d = m / (sqrt(v) + eps) + wd * w`` (a new tensor)."""
+    direction = exp_avg / (exp_avg_sq.sqrt() + eps)
+    if weight_decay > 0.0:
+        direction += weights * weight_decay
+    return direction
+
+
+def descend(weights: torch.Tensor, direction: torch.Tensor, lr: float) -> None:
+    """``w = w - lr * d``, computed as DeepSpeed does (``-lr * d`` first, then added)."""
+    weights.add_(direction * -lr)
+
+
+def local_step(
+    weights: torch.Tensor,
+    momentum_accumulator: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """0/1 Adam phase-2 step: ``w -= lr d`` and ``u -= lr d`` with the same ``-lr d``."""
+    step = adam_direction(exp_avg, exp_avg_sq, weights, eps, weight_decay) * -lr
+    weights.add_(step)
+    momentum_accumulator.add_(step)
+
+
+def sync_payload(momentum_accumulator: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float) -> torch.Tensor:
+    """What a sync communicates, ``u * (sqrt(v) + eps)``, computed in place in ``u`` (returned)."""
+    return momentum_accumulator.mul_(exp_avg_sq.sqrt() + eps)
+
+
+def finish_sync(
+    weights: torch.Tensor,
+    synced_weights: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    momentum_accumulator: torch.Tensor,
+    averaged: torch.Tensor,
+    lrs: float,
+    eps: float,
+) -> None:
+    """Apply the averaged payload ``w_bar`` of a sync.
+
+    ``m = -w_bar / lrs`` (the lr-weighted mean momentum since the last sync); the weights restart from
+    the last synced point, ``w = w_sync + w_bar / (sqrt(v) + eps)``, which becomes the new synced point;
+    ``u = 0``.
+
+    DeepSpeed instead undoes the local steps by subtraction (``w - u``), which lands a few ulps away from
+    the synced point on each rank, so its replicas agree only to rounding after a sync. Restarting from
+    the stored ``w_sync`` (identical on all ranks) keeps them bit-identical; the difference to DeepSpeed
+    is within float32 rounding of the weights.
+    """
+    if lrs > 0.0:
+        exp_avg.zero_().add_(averaged / lrs, alpha=-1)
+    else:  # lr was 0 since the last sync: there is no momentum to rebuild (DeepSpeed divides by 0)
+        exp_avg.zero_()
+    weights.copy_(synced_weights).add_(averaged / (exp_avg_sq.sqrt() + eps))
+    synced_weights.copy_(weights)
+    momentum_accumulator.zero_()

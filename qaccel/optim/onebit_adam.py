@@ -1,0 +1,81 @@
+"""``OneBitAdam``: 1-bit Adam (Tang et al. 2021, arXiv 2102.02888) with DeepSpeed's semantics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import WireMeter
+from ._base import OneBitOptimizerBase
+from ._functional import adam_direction, descend, update_moments, update_momentum
+from ._schedule import OneBitAdamSchedule, StepKind
+from ._units import Unit, unit_mask, unit_weights, write_back
+from .config import OneBitAdamConfig
+from .zero_one_adam import _resolve_config
+
+__all__ = ["OneBitAdam"]
+
+
+class OneBitAdam(OneBitOptimizerBase):
+    """1-bit Adam, the baseline 0/1 Adam is compared against (DeepSpeed ``OnebitAdam``).
+
+    - ``t = 1``: state is created and the gradient discarded.
+    - ``2 <= t <= max(freeze_step, 2)``: full Adam (no bias correction) on gradients the DDP hook
+      all-reduced in full precision.
+    - later: the variance is frozen; ``m = b1 m + (1-b1) g_local`` goes through the 1-bit error-feedback
+      all-reduce every step and ``w -= lr (m / (sqrt(v) + eps) + wd w)``. Replicas stay bit-identical.
+
+    Args:
+        params: parameters or param groups (``lr``, ``betas``, ``eps``, ``weight_decay``, ``exp_avg_mask``).
+        config: a :class:`OneBitAdamConfig`; keyword arguments (``lr``, ``freeze_step``, ...) build one or
+            override its fields.
+        process_group, wire_meter: as for :class:`qaccel.optim.ZeroOneAdam`.
+
+    DeepSpeed's per-group ``non_freeze`` key (full-precision all-reduce for some groups) is not
+    supported and raises.
+
+    Example::
+
+        optimizer = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=23000)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        config: OneBitAdamConfig | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        wire_meter: WireMeter | None = None,
+        **kwargs: Any,
+    ) -> None:
+        cfg: OneBitAdamConfig = _resolve_config(OneBitAdamConfig, config, kwargs)
+        schedule = OneBitAdamSchedule(freeze_step=cfg.freeze_step)
+        super().__init__(params, cfg, schedule, process_group=process_group, wire_meter=wire_meter)
+
+    def _apply(self, kind: StepKind, units: list[Unit], grads: list[torch.Tensor | None], world_size: int) -> None:
+        live = [(unit, grad) for unit, grad in zip(units, grads, strict=True) if grad is not None]
+        if kind is StepKind.FULL:
+            for unit, grad in live:
+                group, state = self._group_of(unit), self.state[unit.anchor]
+                update_moments(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
+                self._descend(unit, state, group)
+            return
+        for unit, grad in live:
+            update_momentum(self.state[unit.anchor]["exp_avg"], grad, self._group_of(unit)["betas"][0])
+        momenta = [self.state[unit.anchor]["exp_avg"] for unit, _ in live]
+        averaged = self._average_1bit([u for u, _ in live], momenta, world_size)
+        for (unit, _), momentum_bar in zip(live, averaged, strict=True):
+            group, state = self._group_of(unit), self.state[unit.anchor]
+            state["exp_avg"].copy_(momentum_bar)
+            mask = unit_mask(unit, group)
+            if mask is not None:
+                state["exp_avg"].mul_(mask)
+            self._descend(unit, state, group)
+
+    def _descend(self, unit: Unit, state: dict, group: dict) -> None:
+        weights = unit_weights(unit, state)
+        descend(weights, adam_direction(state["exp_avg"], state["exp_avg_sq"], weights, group["eps"], group["weight_decay"]), group["lr"])
+        write_back(unit, weights)

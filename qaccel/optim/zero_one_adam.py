@@ -1,0 +1,162 @@
+"""``ZeroOneAdam``: 0/1 Adam (Lu et al. 2022, arXiv 2202.06009) with DeepSpeed's semantics."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import WireMeter
+from ._base import OneBitOptimizerBase
+from ._functional import adam_direction, descend, finish_sync, local_step, sync_payload, update_moments, update_momentum
+from ._schedule import Phase, StepKind, ZeroOneAdamSchedule
+from ._units import Unit, unit_mask, unit_params_as_weights, unit_weights, write_back
+from .config import ZeroOneAdamConfig, _OneBitConfigBase
+
+__all__ = ["ZeroOneAdam"]
+
+
+def _resolve_config(cls: type[_OneBitConfigBase], config: _OneBitConfigBase | None, kwargs: dict[str, Any]) -> Any:
+    known = cls.field_names()
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise TypeError(f"{cls.__name__}: unknown arguments {unknown}; known: {', '.join(known)}")
+    if config is None:
+        return cls(**kwargs)
+    if not isinstance(config, cls):
+        raise TypeError(f"config must be a {cls.__name__}, got {type(config).__name__}")
+    return dataclasses.replace(config, **kwargs) if kwargs else config
+
+
+class ZeroOneAdam(OneBitOptimizerBase):
+    """0/1 Adam: adaptive variance freezing, 1-bit compressed momentum, local steps (DeepSpeed ``ZeroOneAdam``).
+
+    Step ``t`` (design doc section 3; :class:`qaccel.optim.StepKind`):
+
+    - ``t = 1``: state is created and the gradient discarded (DeepSpeed's initialization step).
+    - ``2 <= t <= F+1``: on variance steps (doubling intervals after ``var_update_scaler`` updates) the
+      gradients were all-reduced in full precision by the DDP hook and ``m``, ``v`` update; otherwise the
+      local gradient goes through the 1-bit all-reduce and only ``m`` updates. Then
+      ``w -= lr (m / (sqrt(v) + eps) + wd w)``.
+    - ``t > F+1``: local steps ``m = b1 m + (1-b1) g_local``, ``w -= lr d``, ``u -= lr d``; on sync steps
+      (``t`` a multiple of an interval doubling every ``local_step_scaler`` steps up to
+      ``local_step_clipper``) ``u (sqrt(v) + eps)`` goes through the 1-bit all-reduce, ``m`` becomes the
+      lr-weighted mean momentum and every replica restarts from the same synced weights.
+
+    Where the gradients of a step were all-reduced is decided by :attr:`comm_plan`, which the DDP hook
+    reads (:func:`qaccel.optim.register_ddp_comm_hook`; ``qaccel.Accelerator.prepare`` installs it).
+
+    Args:
+        params: parameters or param groups; groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``
+            and ``exp_avg_mask``.
+        config: a :class:`ZeroOneAdamConfig`; keyword arguments (DeepSpeed names, e.g. ``lr``,
+            ``var_freeze_step``, ``var_update_scaler``, ``local_step_scaler``, ``local_step_clipper``,
+            ``granularity``) build one or override its fields.
+        process_group: group to average over (default: the default group if torch.distributed is
+            initialized, else world size 1, where the 1-bit all-reduce is the identity).
+        wire_meter: where the 1-bit all-reduce records its bytes (default: the process-wide meter).
+
+    Memory: fp32 ``m``, ``v``; from phase 2 ``u`` and the synced weights; with world size > 1 the worker
+    error (``M'``) and server error (``M'/N``); an fp32 master copy for bf16/fp16 parameters.
+
+    Example::
+
+        optimizer = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=1000, var_update_scaler=16,
+                                local_step_scaler=1000, local_step_clipper=16)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # qaccel.Accelerator
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        config: ZeroOneAdamConfig | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        wire_meter: WireMeter | None = None,
+        **kwargs: Any,
+    ) -> None:
+        cfg: ZeroOneAdamConfig = _resolve_config(ZeroOneAdamConfig, config, kwargs)
+        schedule = ZeroOneAdamSchedule(
+            var_freeze_step=cfg.var_freeze_step,
+            var_update_scaler=cfg.var_update_scaler,
+            local_step_scaler=cfg.local_step_scaler,
+            local_step_clipper=cfg.local_step_clipper,
+        )
+        super().__init__(params, cfg, schedule, process_group=process_group, wire_meter=wire_meter)
+
+    def _ensure_phase_state(self, unit: Unit, state: dict) -> None:
+        if self.schedule.phase is Phase.LOCAL_STEPS and "momentum_accumulator" not in state:
+            self._start_local_steps(unit, state)
+
+    def _start_local_steps(self, unit: Unit, state: dict) -> None:
+        state["momentum_accumulator"] = torch.zeros(unit.shape, dtype=torch.float32, device=unit.anchor.device)
+        weights = state["master_weights"] if unit.needs_master else unit_params_as_weights(unit)
+        state["synced_weights"] = weights.detach().clone()
+        state["lrs"] = 0.0
+
+    def _on_freeze(self, unit: Unit, state: dict) -> None:
+        # From here the error buffers track u (sqrt(v) + eps), not gradients: DeepSpeed zeroes them once.
+        self._zero_error_buffers(state)
+        self._start_local_steps(unit, state)
+
+    def _reset_phase_state(self, unit: Unit, state: dict, weights: torch.Tensor) -> None:
+        if self.schedule.phase is Phase.LOCAL_STEPS:
+            state["momentum_accumulator"].zero_()
+            state["synced_weights"] = weights.detach().clone()
+            state["lrs"] = 0.0
+
+    def _apply(self, kind: StepKind, units: list[Unit], grads: list[torch.Tensor | None], world_size: int) -> None:
+        live = [(unit, grad) for unit, grad in zip(units, grads, strict=True) if grad is not None]
+        if kind is StepKind.FULL:
+            for unit, grad in live:
+                group, state = self._group_of(unit), self.state[unit.anchor]
+                update_moments(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
+                self._descend(unit, state, group)
+            return
+        if kind is StepKind.ONEBIT_GRADIENT:
+            averaged = self._average_1bit([u for u, _ in live], [g for _, g in live], world_size)
+            for (unit, _), grad_bar in zip(live, averaged, strict=True):
+                group, state = self._group_of(unit), self.state[unit.anchor]
+                mask = unit_mask(unit, group)
+                if mask is not None:
+                    grad_bar.mul_(mask)
+                update_momentum(state["exp_avg"], grad_bar, group["betas"][0])
+                self._descend(unit, state, group)
+            return
+        # phase 2: LOCAL or SYNC
+        weights = {}
+        for unit, grad in live:
+            group, state = self._group_of(unit), self.state[unit.anchor]
+            update_momentum(state["exp_avg"], grad, group["betas"][0])
+            state["lrs"] += group["lr"]
+            weights[unit] = unit_weights(unit, state)
+            local_step(
+                weights[unit], state["momentum_accumulator"], state["exp_avg"], state["exp_avg_sq"],
+                group["lr"], group["eps"], group["weight_decay"],
+            )  # fmt: skip
+        if kind is StepKind.SYNC:
+            payloads = [
+                sync_payload(self.state[u.anchor]["momentum_accumulator"], self.state[u.anchor]["exp_avg_sq"], self._group_of(u)["eps"])
+                for u, _ in live
+            ]
+            averaged = self._average_1bit([u for u, _ in live], payloads, world_size)
+            for (unit, _), update_bar in zip(live, averaged, strict=True):
+                group, state = self._group_of(unit), self.state[unit.anchor]
+                mask = unit_mask(unit, group)
+                if mask is not None:
+                    update_bar.mul_(mask)
+                finish_sync(
+                    weights[unit], state["synced_weights"], state["exp_avg"], state["exp_avg_sq"],
+                    state["momentum_accumulator"], update_bar, state["lrs"], group["eps"],
+                )  # fmt: skip
+                state["lrs"] = 0.0
+        for unit, _ in live:
+            write_back(unit, weights[unit])
+
+    def _descend(self, unit: Unit, state: dict, group: dict) -> None:
+        weights = unit_weights(unit, state)
+        descend(weights, adam_direction(state["exp_avg"], state["exp_avg_sq"], weights, group["eps"], group["weight_decay"]), group["lr"])
+        write_back(unit, weights)

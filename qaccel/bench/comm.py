@@ -7,6 +7,7 @@ Two sections measured in one run: QSDP against stock FSDP2 (``_comm_qsdp``) and 
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 from . import _comm_onebit, _comm_qsdp
@@ -40,12 +41,13 @@ def _plot(report: dict, png: str) -> None:
 
     sections = [name for name in ("qsdp", "onebit") if name in report]
     fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4), squeeze=False)
-    for ax, name in zip(axes[0], sections):
+    for ax, name in zip(axes[0], sections, strict=True):
         rows = report[name]["rows"]
-        ax.bar([r["method"] for r in rows], [r["ratio_vs_baseline"] for r in rows])
+        bars = ax.bar([r["method"] for r in rows], [r["ratio_vs_baseline"] for r in rows])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_ylabel("bytes sent vs baseline")
-        ax.set_title(report[name]["title"])
-        ax.tick_params(axis="x", rotation=30)
+        ax.set_title("\n".join(textwrap.wrap(report[name]["title"], 60)), fontsize=9)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
     fig.tight_layout()
     Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)

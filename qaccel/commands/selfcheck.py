@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _check_backend(kernels, x: torch.Tensor, bits: int, bucket: int, seed: int) -> dict:
     expected = reference.quantize_buckets(x, bits, bucket, False, seed, torch.float32)
     got = kernels.quantize_buckets(x, bits, bucket, False, seed, torch.float32)
-    codes_equal = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(expected, got))
+    codes_equal = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(expected, got, strict=True))
     out_ref = reference.dequantize_into(*expected, bits, bucket, torch.empty_like(x), False)
     out_got = kernels.dequantize_into(*got, bits, bucket, torch.empty_like(x), False)
     return {"bits": bits, "bucket_size": bucket, "codes_identical": codes_equal, "values_identical": torch.equal(out_ref.cpu(), out_got.cpu())}

@@ -21,15 +21,12 @@ all-to-all and one all-gather for all tensors).
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
-import os
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ._ranks import run_on_cpu_ranks
 
 __all__ = ["add_arguments", "measure"]
 
@@ -125,44 +122,6 @@ def _probe(rank: int, world_size: int, model_name: str, method: str, granularity
     }
 
 
-def _worker(rank: int, world_size: int, store_path: str, jobs: list, results) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    torch.set_num_threads(1)
-    try:
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=900))
-        results.put((rank, [_probe(rank, world_size, *job) for job in jobs], None))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent with the rank
-        results.put((rank, None, f"{type(exc).__name__}: {exc}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(world_size: int, jobs: list) -> list[list[dict]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store, jobs, results)) for r in range(world_size)]
-        for proc in procs:
-            proc.start()
-        collected: dict[int, list[dict]] = {}
-        try:
-            for _ in range(world_size):
-                rank, outputs, error = results.get(timeout=1800)
-                if error is not None:
-                    raise RuntimeError(f"bench comm onebit: rank {rank}/{world_size} failed: {error}")
-                collected[rank] = outputs
-        finally:
-            for proc in procs:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.kill()
-    return [collected[r] for r in range(world_size)]
-
-
 def _schedule_counts(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     from ..optim import OneBitAdamSchedule, ZeroOneAdamSchedule, count_step_kinds
 
@@ -194,7 +153,7 @@ def measure(args: argparse.Namespace) -> dict:
         raise ValueError(f"--onebit-total-steps={args.onebit_total_steps}: must be >= 1")
     logger.info("bench comm onebit: %s on %d CPU ranks", args.onebit_model, world_size)
     jobs = [(args.onebit_model, method, args.onebit_granularity) for method in ("DDP AdamW fp32", "1-bit Adam", "0/1 Adam")]
-    probes = {out["method"]: out for out in _spawn(world_size, jobs)[0]}
+    probes = {out["method"]: out for out in run_on_cpu_ranks(_probe, world_size, jobs, "bench comm onebit", pg_timeout_s=900)[0]}
     counts = _schedule_counts(args)
     total = args.onebit_total_steps
     baseline = probes["DDP AdamW fp32"]["by_kind"]["step"]

@@ -11,16 +11,12 @@ Bytes depend on the unit layout, not on the batch, so a short sequence keeps the
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
-import os
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ._ranks import run_on_cpu_ranks
 
 __all__ = ["add_arguments", "measure", "METHODS"]
 
@@ -94,44 +90,6 @@ def _codec_dict(codec) -> dict | None:
     return {"bits": codec.bits, "bucket_size": codec.bucket_size, "meta_dtype": str(codec.meta_dtype), "rounding": codec.rounding}
 
 
-def _worker(rank: int, world_size: int, store_path: str, jobs: list, results) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600))
-        outputs = [_one_method(rank, world_size, *job) for job in jobs]
-        results.put((rank, outputs, None))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent with the rank
-        results.put((rank, None, f"{type(exc).__name__}: {exc}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(world_size: int, jobs: list) -> list[list[dict]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store, jobs, results)) for r in range(world_size)]
-        for proc in procs:
-            proc.start()
-        collected: dict[int, list[dict]] = {}
-        try:
-            for _ in range(world_size):
-                rank, outputs, error = results.get(timeout=1800)
-                if error is not None:
-                    raise RuntimeError(f"bench comm qsdp: rank {rank}/{world_size} failed: {error}")
-                collected[rank] = outputs
-        finally:
-            for proc in procs:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.kill()
-    return [collected[r] for r in range(world_size)]
-
-
 def measure(args: argparse.Namespace) -> dict:
     """Run every method on ``--qsdp-world-size`` CPU ranks; bytes per step of rank 0, ratio vs FSDP fp32."""
     world_size = args.qsdp_world_size
@@ -139,7 +97,7 @@ def measure(args: argparse.Namespace) -> dict:
         raise ValueError(f"--qsdp-world-size={world_size}: must be >= 2 (nothing is communicated on 1 rank)")
     jobs = [(args.qsdp_model, method, args.qsdp_steps, args.qsdp_seq_len) for method in METHODS]
     logger.info("bench comm qsdp: %s on %d CPU ranks, %d step(s) per method", args.qsdp_model, world_size, args.qsdp_steps)
-    per_rank = _spawn(world_size, jobs)
+    per_rank = run_on_cpu_ranks(_one_method, world_size, jobs, "bench comm qsdp", pg_timeout_s=600)
     rows = []
     for outputs in zip(*per_rank, strict=True):
         rank0 = outputs[0]

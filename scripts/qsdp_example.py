@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from qaccel import Accelerator, QSDPPlugin
+from qaccel.zoo import bigram_sequences
 
 logger = logging.getLogger("qsdp_example")
 
@@ -48,18 +49,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def synthetic_bigram_data(vocab: int, seq_len: int, num_seqs: int, seed: int) -> torch.Tensor:
-    """Sequences from a fixed random bigram chain with 4 likely successors per token (learnable)."""
-    gen = torch.Generator().manual_seed(seed)
-    successors = torch.randint(0, vocab, (vocab, 4), generator=gen)  # (vocab, 4)
-    tokens = torch.empty(num_seqs, seq_len, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, vocab, (num_seqs,), generator=gen)
-    for t in range(1, seq_len):
-        choice = torch.randint(0, 4, (num_seqs,), generator=gen)
-        tokens[:, t] = successors[tokens[:, t - 1], choice]
-    return tokens
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -75,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     num_seqs = args.batch_size * accelerator.num_processes * args.steps
-    data = TensorDataset(synthetic_bigram_data(args.vocab, args.seq_len, num_seqs, args.seed))
+    data = TensorDataset(bigram_sequences(args.vocab, args.seq_len, num_seqs, args.seed))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
@@ -102,10 +91,6 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2, sort_keys=True)
     accelerator.end_training()
-    if torch.distributed.is_initialized():
-        # Leaving gloo to the interpreter's teardown after uint8 collectives can abort the process
-        # ("terminate called without an active exception"); tear it down explicitly.
-        torch.distributed.destroy_process_group()
     return result
 
 

@@ -30,6 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from qaccel import Accelerator
 from qaccel.optim import OneBitAdam, OneBitAdamConfig, ZeroOneAdam, ZeroOneAdamConfig
+from qaccel.zoo import bigram_sequences
 
 logger = logging.getLogger("zoadam_example")
 
@@ -57,18 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", default=None, help="load_state from this directory first")
     parser.add_argument("--out", default=None, help="write losses and wire bytes here (JSON)")
     return parser.parse_args(argv)
-
-
-def synthetic_bigram_data(vocab: int, seq_len: int, num_seqs: int, seed: int) -> torch.Tensor:
-    """Sequences from a fixed random bigram chain with 4 likely successors per token (learnable)."""
-    gen = torch.Generator().manual_seed(seed)
-    successors = torch.randint(0, vocab, (vocab, 4), generator=gen)  # (vocab, 4)
-    tokens = torch.empty(num_seqs, seq_len, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, vocab, (num_seqs,), generator=gen)
-    for t in range(1, seq_len):
-        choice = torch.randint(0, 4, (num_seqs,), generator=gen)
-        tokens[:, t] = successors[tokens[:, t - 1], choice]
-    return tokens
 
 
 def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -103,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = GPT2LMHeadModel(config)
     optimizer = build_optimizer(args, model)
     num_seqs = args.batch_size * accelerator.num_processes * args.steps * args.grad_accum
-    loader = DataLoader(TensorDataset(synthetic_bigram_data(args.vocab, args.seq_len, num_seqs, args.seed)), batch_size=args.batch_size)
+    loader = DataLoader(TensorDataset(bigram_sequences(args.vocab, args.seq_len, num_seqs, args.seed)), batch_size=args.batch_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     first_step = 0
     if args.resume:
@@ -147,9 +136,6 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2, sort_keys=True)
     accelerator.end_training()
-    if torch.distributed.is_initialized():
-        # Leaving gloo to the interpreter's teardown after uint8 collectives can abort the process.
-        torch.distributed.destroy_process_group()
     return result
 
 

@@ -133,3 +133,20 @@ def _load_hook(accelerator: Any):
             optimizer.stage_rank_state(payload)
 
     return load
+
+
+def before_clip_grad_norm(accelerator: Any) -> None:
+    """Warn once when ``accelerator.clip_grad_norm_`` is used with a prepared 1-bit optimizer.
+
+    Under DDP Accelerate clips with each rank's local norm; on steps whose gradients stay local the
+    ranks then clip differently. The optimizer's own ``gradient_clipping`` uses a norm that is the
+    same on every rank (see the README, "Clipping").
+    """
+    if getattr(accelerator, "_qaccel_warned_clip", False) or not _onebit_optimizers(accelerator):
+        return
+    accelerator._qaccel_warned_clip = True
+    logger.warning(
+        "accelerator.clip_grad_norm_ with a qaccel 1-bit optimizer clips each rank's local gradient with its own "
+        "norm on steps without a full all-reduce; pass gradient_clipping=<max_norm> to ZeroOneAdam/OneBitAdam "
+        "instead for a rank-consistent norm"
+    )

@@ -50,6 +50,11 @@ class Accelerator(accelerate.Accelerator):
         _zero_one_adam.after_prepare(self, objects)
         return prepared
 
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """Accelerate's ``clip_grad_norm_``; warns once when a 1-bit optimizer would clip rank-locally."""
+        _zero_one_adam.before_clip_grad_norm(self)
+        return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
     def end_training(self) -> None:
         """Finish the trackers and destroy the process group, after freeing cyclic garbage.
 

@@ -16,6 +16,7 @@ A rank that raises fails the test with its rank and traceback; a hung collective
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue
 import time
@@ -49,6 +50,9 @@ def _entry(rank, world_size, store_path, fn, args, kwargs, results, pg_timeout_s
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
         results.put(("error", rank, traceback.format_exc()))
     finally:
+        # Free cyclic garbage (FSDP state, comm buffers) while gloo is still up: collected only at
+        # interpreter exit it can abort the process (see qaccel.Accelerator.end_training).
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -96,7 +100,7 @@ def run_ranks(
                 break
     finally:
         for proc in procs:
-            proc.join(timeout=5 if len(outcome) == world_size else 0.1)
+            proc.join(timeout=30 if len(outcome) == world_size else 0.1)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -107,4 +111,8 @@ def run_ranks(
     if missing:
         codes = {r: procs[r].exitcode for r in missing}
         raise AssertionError(f"ranks {missing} of {world_size} gave no result within {timeout_s}s (exit codes {codes})")
+    # A rank that returned its result but then crashed on the way out is a failure too.
+    bad_exits = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+    if bad_exits:
+        raise AssertionError(f"ranks exited abnormally after returning results: {bad_exits} (of {world_size})")
     return [outcome[r][1] for r in range(world_size)]

@@ -13,6 +13,15 @@ def _allreduce_rank(rank, world_size):
     return t.item()
 
 
+def _crash_on_exit_on_rank_one(rank, world_size):
+    if rank == 1:
+        import atexit
+        import os
+
+        atexit.register(os._exit, 3)  # result delivered, then the process dies on its way out
+    return rank
+
+
 def _fail_on_rank_one(rank, world_size):
     if rank == 1:
         raise ValueError("boom on purpose")
@@ -28,3 +37,8 @@ def test_allreduce_over_gloo(tmp_path, world_size):
 def test_failure_names_rank_and_traceback(tmp_path):
     with pytest.raises(AssertionError, match=r"rank 1/2:(.|\n)*boom on purpose"):
         run_ranks(_fail_on_rank_one, 2, tmp_path, timeout_s=60)
+
+
+def test_crash_after_result_is_reported(tmp_path):
+    with pytest.raises(AssertionError, match=r"exited abnormally after returning results: \{1: 3\}"):
+        run_ranks(_crash_on_exit_on_rank_one, 2, tmp_path, timeout_s=60)

@@ -1,6 +1,6 @@
 """Collectives built on the codecs, and exact wire-byte accounting."""
 
-from ._accounting import CollectiveTally, WireMeter, default_meter, ring_all_gather_bytes
+from ._accounting import CollectiveTally, WireMeter, default_meter, ring_all_gather_bytes, ring_all_reduce_bytes
 from ._onebit import (
     ONEBIT_PADDINGS,
     OneBitLayout,
@@ -8,7 +8,6 @@ from ._onebit import (
     compressed_allreduce,
     onebit_layout,
     onebit_wire_bytes,
-    ring_all_reduce_bytes,
 )
 from ._quantized import (
     PayloadLayout,

@@ -12,7 +12,7 @@ import threading
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
-__all__ = ["CollectiveTally", "WireMeter", "default_meter", "ring_all_gather_bytes"]
+__all__ = ["CollectiveTally", "WireMeter", "default_meter", "ring_all_gather_bytes", "ring_all_reduce_bytes"]
 
 
 @dataclass
@@ -32,6 +32,11 @@ class CollectiveTally:
 def ring_all_gather_bytes(chunk_bytes: int, world_size: int) -> int:
     """Bytes one rank sends (and receives) in an all-gather of ``chunk_bytes`` per rank."""
     return (world_size - 1) * chunk_bytes
+
+
+def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``: ``2 (N-1) nbytes / N``."""
+    return 2 * (world_size - 1) * nbytes // world_size
 
 
 class WireMeter:

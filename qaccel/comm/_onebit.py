@@ -44,7 +44,6 @@ __all__ = [
     "onebit_layout",
     "onebit_wire_bytes",
     "compressed_allreduce",
-    "ring_all_reduce_bytes",
 ]
 
 ONEBIT_PADDINGS = ("deepspeed", "minimal")
@@ -140,11 +139,6 @@ def onebit_wire_bytes(layouts: Sequence[OneBitLayout]) -> OneBitWireBytes:
     row_bytes = _SCALE_BYTES * len(live) + sum(layout.chunk_sign_bytes for layout in live)
     per_phase = (world_size - 1) * row_bytes
     return OneBitWireBytes(2 * per_phase, 2 * per_phase, 2)
-
-
-def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``: ``2 (N-1) nbytes / N``."""
-    return 2 * (world_size - 1) * nbytes // world_size
 
 
 def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

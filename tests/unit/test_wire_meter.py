@@ -27,3 +27,13 @@ def test_totals_steps_and_snapshot():
 def test_negative_bytes_rejected():
     with pytest.raises(ValueError, match="negative byte count"):
         WireMeter().record("x", sent_bytes=-1, recv_bytes=0)
+
+
+def test_ring_formulas():
+    from qaccel.comm import ring_all_gather_bytes, ring_all_reduce_bytes
+
+    # A ring all-reduce is a reduce-scatter plus an all-gather: 2 (N-1)/N of the buffer each way.
+    assert ring_all_reduce_bytes(4000, 2) == 4000
+    assert ring_all_reduce_bytes(4000, 4) == 6000
+    assert ring_all_gather_bytes(1000, 4) == 3000
+    assert ring_all_reduce_bytes(4000, 1) == 0

@@ -93,14 +93,24 @@ class UnitPlan:
         return layout
 
 
-class _Alloc:
-    """Plain caching-allocator buffers for FSDP's own comm tensors (our staging blobs are separate)."""
+class _UnitComm:
+    """What both QSDP comms hold, and plain allocation for FSDP's own comm buffers.
+
+    FSDP allocates its all-gather / reduce-scatter buffers through ``allocate``; they come from the
+    default caching allocator (our staging blobs are separate).
+    """
+
+    def __init__(self, plan: UnitPlan, codec: WireCodec | None, seeds: SeedSchedule, meter: WireMeter) -> None:
+        self.plan = plan
+        self.codec = codec if plan.enabled else None
+        self.seeds = seeds
+        self.meter = meter
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class QuantizedAllGather(_Alloc, AllGather):
+class QuantizedAllGather(_UnitComm, AllGather):
     """FSDP2 ``AllGather`` that gathers this rank's shard as k-bit codes plus bucket metadata.
 
     Every rank, the owner included, decodes every chunk from the gathered bytes, so all ranks
@@ -114,12 +124,6 @@ class QuantizedAllGather(_Alloc, AllGather):
         meter: where bytes are recorded (kinds ``qsdp.all_gather`` / ``fsdp.all_gather``).
     """
 
-    def __init__(self, plan: UnitPlan, codec: WireCodec | None, seeds: SeedSchedule, meter: WireMeter) -> None:
-        self.plan = plan
-        self.codec = codec if plan.enabled else None
-        self.seeds = seeds
-        self.meter = meter
-
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
         if self.codec is None:
             return counted_all_gather(output_tensor, input_tensor, group, self.meter, KIND_FSDP_AG, async_op=async_op)
@@ -130,7 +134,7 @@ class QuantizedAllGather(_Alloc, AllGather):
         return None
 
 
-class QuantizedReduceScatter(_Alloc, ReduceScatter):
+class QuantizedReduceScatter(_UnitComm, ReduceScatter):
     """FSDP2 ``ReduceScatter`` as an all-to-all of k-bit chunks, summed in fp32 and averaged here.
 
     The installer forces ``ReduceOp.SUM`` and a gradient divide factor of 1 on the unit, so FSDP
@@ -145,12 +149,6 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         seeds: the model's seed schedule.
         meter: where bytes are recorded (kinds ``qsdp.reduce_scatter`` / ``fsdp.reduce_scatter``).
     """
-
-    def __init__(self, plan: UnitPlan, codec: WireCodec | None, seeds: SeedSchedule, meter: WireMeter) -> None:
-        self.plan = plan
-        self.codec = codec if plan.enabled else None
-        self.seeds = seeds
-        self.meter = meter
 
     @property
     def owns_averaging(self) -> bool:

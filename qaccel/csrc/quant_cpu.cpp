@@ -19,6 +19,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "quant_checks.h"
 #include "quant_common.h"
 #include "quant_cpu_avx512.h"
 
@@ -263,8 +264,7 @@ std::vector<torch::Tensor> quantize_buckets(torch::Tensor x, int64_t bits, int64
                                             uint64_t seed, bool meta_bf16) {
   check_cpu_contiguous(x, "x");
   check_float_dtype(x, "x");
-  TORCH_CHECK(bits >= 2 && bits <= 8, "bits=", bits, ": must be an int in [2, 8]");
-  TORCH_CHECK(bucket_size >= 1, "bucket_size=", bucket_size, ": must be >= 1");
+  qaccel::check_codec_args(bits, bucket_size);
   const int64_t numel = x.numel();
   const int64_t num_buckets = (numel + bucket_size - 1) / bucket_size;
   const auto meta_options = x.options().dtype(meta_bf16 ? at::kBFloat16 : at::kFloat);
@@ -317,19 +317,9 @@ torch::Tensor dequantize_into(torch::Tensor codes, torch::Tensor lo, torch::Tens
   check_cpu_contiguous(scale, "scale");
   check_cpu_contiguous(out, "out");
   check_float_dtype(out, "out");
-  TORCH_CHECK(codes.scalar_type() == at::kByte, "codes.dtype=", codes.scalar_type(), ": must be uint8");
-  TORCH_CHECK(bits >= 2 && bits <= 8, "bits=", bits, ": must be an int in [2, 8]");
-  TORCH_CHECK(bucket_size >= 1, "bucket_size=", bucket_size, ": must be >= 1");
-  TORCH_CHECK(lo.scalar_type() == scale.scalar_type() &&
-                  (lo.scalar_type() == at::kFloat || lo.scalar_type() == at::kBFloat16),
-              "lo/scale: must both be float32 or both bfloat16");
   const int64_t numel = out.numel();
+  qaccel::check_decode_args(codes, lo, scale, bits, bucket_size, numel);
   if (numel == 0) return out;
-  const int64_t num_buckets = (numel + bucket_size - 1) / bucket_size;
-  TORCH_CHECK(codes.numel() >= bits * ((numel + 7) / 8), "codes has ", codes.numel(), " bytes: expected ",
-              bits * ((numel + 7) / 8));
-  TORCH_CHECK(lo.numel() >= num_buckets && scale.numel() >= num_buckets, "lo/scale: expected ", num_buckets,
-              " buckets");
   if (lo.scalar_type() == at::kFloat) {
     dequantize_meta<float>(codes, lo, scale, static_cast<int>(bits), bucket_size, out, accumulate);
   } else {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "quant_checks.h"
 #include "quant_cuda.h"
 
 namespace {
@@ -39,8 +40,7 @@ std::vector<torch::Tensor> quantize_buckets(torch::Tensor x, int64_t bits, int64
                                             uint64_t seed, bool meta_bf16, int64_t stream) {
   check_cuda(x, "x");
   const Dtype dtype = float_dtype(x, "x");
-  TORCH_CHECK(bits >= 2 && bits <= 8, "bits=", bits, ": must be an int in [2, 8]");
-  TORCH_CHECK(bucket_size >= 1, "bucket_size=", bucket_size, ": must be >= 1");
+  qaccel::check_codec_args(bits, bucket_size);
   const int64_t numel = x.numel();
   const int64_t num_buckets = (numel + bucket_size - 1) / bucket_size;
   const auto meta_options = x.options().dtype(meta_bf16 ? at::kBFloat16 : at::kFloat);
@@ -69,19 +69,9 @@ torch::Tensor dequantize_into(torch::Tensor codes, torch::Tensor lo, torch::Tens
   check_cuda(scale, "scale");
   check_cuda(out, "out");
   const Dtype out_dtype = float_dtype(out, "out");
-  TORCH_CHECK(codes.scalar_type() == at::kByte, "codes.dtype=", codes.scalar_type(), ": must be uint8");
-  TORCH_CHECK(bits >= 2 && bits <= 8, "bits=", bits, ": must be an int in [2, 8]");
-  TORCH_CHECK(bucket_size >= 1, "bucket_size=", bucket_size, ": must be >= 1");
-  TORCH_CHECK(lo.scalar_type() == scale.scalar_type() &&
-                  (lo.scalar_type() == at::kFloat || lo.scalar_type() == at::kBFloat16),
-              "lo/scale: must both be float32 or both bfloat16");
   const int64_t numel = out.numel();
+  qaccel::check_decode_args(codes, lo, scale, bits, bucket_size, numel);
   if (numel == 0) return out;
-  const int64_t num_buckets = (numel + bucket_size - 1) / bucket_size;
-  TORCH_CHECK(codes.numel() >= bits * ((numel + 7) / 8), "codes has ", codes.numel(), " bytes: expected ",
-              bits * ((numel + 7) / 8));
-  TORCH_CHECK(lo.numel() >= num_buckets && scale.numel() >= num_buckets, "lo/scale: expected ", num_buckets,
-              " buckets");
   check_launch(qaccel_cuda::dequantize(codes.data_ptr<uint8_t>(), lo.data_ptr(), scale.data_ptr(),
                                        lo.scalar_type() == at::kBFloat16, static_cast<int>(bits), bucket_size,
                                        out.data_ptr(), out_dtype, numel, accumulate, as_stream(stream)),

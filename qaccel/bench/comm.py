@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import textwrap
-from pathlib import Path
 
 from . import _comm_onebit, _comm_qsdp
+from ._figures import headless_pyplot, png_path, save_figure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> dict:
         report["qsdp"] = _comm_qsdp.measure(args)
     if args.only in (None, "onebit"):
         report["onebit"] = _comm_onebit.measure(args)
-    png = args.png or (str(Path(args.json_path).with_suffix(".png")) if args.json_path else None)
+    png = png_path(args)
     if png:
         _plot(report, png)
         report["png"] = png
@@ -34,10 +34,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _plot(report: dict, png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = headless_pyplot()
 
     sections = [name for name in ("qsdp", "onebit") if name in report]
     fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4), squeeze=False)
@@ -49,6 +46,4 @@ def _plot(report: dict, png: str) -> None:
         ax.set_title("\n".join(textwrap.wrap(report[name]["title"], 60)), fontsize=9)
         ax.tick_params(axis="x", rotation=30, labelsize=8)
     fig.tight_layout()
-    Path(png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png)

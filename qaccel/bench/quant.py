@@ -21,11 +21,11 @@ import logging
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from ..quant import _backend, reference
+from ._figures import headless_pyplot, png_path, save_figure
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +198,7 @@ def run(args: argparse.Namespace) -> dict:
         "goals": {"cpu_roundtrip_vs_reference": _GOAL_VS_REFERENCE, "cpu_roundtrip_vs_copy": _GOAL_VS_COPY,
                   "by_setting": _goals(settings)},
     }  # fmt: skip
-    json_path = getattr(args, "json_path", None)
-    png = args.png or (str(Path(json_path).with_suffix(".png")) if json_path else None)
+    png = png_path(args)
     if png:
         _plot(report, png)
         report["png"] = png
@@ -207,10 +206,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _plot(report: dict, png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = headless_pyplot()
 
     settings = report["settings"]
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)
@@ -230,6 +226,4 @@ def _plot(report: dict, png: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"qaccel codec throughput, {report['numel']:,} fp32 values, bucket {report['bucket_size']}")
     fig.tight_layout()
-    Path(png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png)

@@ -1,6 +1,6 @@
 """Quantized all-gather and all-to-all reduce-scatter over a process group, with exact byte counts.
 
-Wire format of one rank-chunk (``shared/design/qsdp.md`` section 3.1): a uint8 blob of a size that
+Wire format of one rank-chunk (``docs/qsdp.md``, "Wire format"): a uint8 blob of a size that
 depends only on the chunk's :class:`PayloadLayout`, so it is identical on every rank and one
 ``all_gather_into_tensor`` / ``all_to_all_single`` moves codes and metadata together::
 
@@ -38,9 +38,19 @@ __all__ = [
 
 _MASK64 = (1 << 64) - 1
 _META_ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2}
-# torch >= 2.10 names the flat collectives *_single (FSDP2's defaults call them); older: *_tensor.
-_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _all_gather_single():
+    """torch >= 2.10 names the flat collectives ``*_single`` (FSDP2's defaults call them); older: ``*_tensor``.
+
+    Looked up at call time, like FSDP2's own comms do, so a wrapper around the torch function (a
+    profiler, or a test counting the bytes handed to the collective) sees our calls too.
+    """
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def mix_seed(*parts: int) -> int:
@@ -227,7 +237,7 @@ def quantized_all_gather(
     blob = torch.empty(layout.nbytes, dtype=torch.uint8, device=input.device)
     encode_chunk(input.reshape(-1), layout, seed, blob)
     gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=input.device)
-    _ALL_GATHER_SINGLE(gathered, blob, group=group)
+    _all_gather_single()(gathered, blob, group=group)
     meter.record(kind, sent_bytes=(world - 1) * layout.nbytes, recv_bytes=(world - 1) * layout.nbytes)
     flat_out = output.view(-1)
     for owner in range(world):
@@ -246,12 +256,13 @@ def quantized_reduce_scatter(
     seeds: list[int],
     meter: WireMeter,
     kind: str,
-    divide_factor: float,
+    divide_factor: float = 1.0,
 ) -> None:
-    """Reduce-scatter by all-to-all of quantized chunks, fp32 sum, then divide by ``divide_factor``.
+    """Reduce-scatter by all-to-all of quantized chunks and an fp32 sum (divided by ``divide_factor``).
 
     ``input`` holds ``P`` rank-ordered chunks; chunk ``j`` is encoded with ``seeds[j]`` and sent to
-    rank ``j``. The own chunk never leaves the rank and is added exactly. Bytes recorded:
+    rank ``j``. The own chunk never leaves the rank and is added exactly. With the default
+    ``divide_factor=1`` this is a SUM; FSDP2 does its averaging afterwards. Bytes recorded:
     ``(P-1) * layout.nbytes`` each way (a zero-length split for self keeps it off the wire).
     """
     world, rank = group.size(), group.rank()
@@ -285,7 +296,7 @@ def counted_all_gather(
     nbytes = (group.size() - 1) * input.numel() * input.element_size()
     meter.record(kind, sent_bytes=nbytes, recv_bytes=nbytes)
     # The same call FSDP2's DefaultAllGather makes, so the pass-through is bit-identical to stock.
-    return _ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op)
+    return _all_gather_single()(output, input, group=group, async_op=async_op)
 
 
 def counted_reduce_scatter(
@@ -300,4 +311,4 @@ def counted_reduce_scatter(
     """Plain ``reduce_scatter_tensor`` with FSDP's op, recording ``(P-1)*S*itemsize`` each way."""
     nbytes = (group.size() - 1) * output.numel() * output.element_size()
     meter.record(kind, sent_bytes=nbytes, recv_bytes=nbytes)
-    return _REDUCE_SCATTER_SINGLE(output, input, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_single()(output, input, op=op, group=group, async_op=async_op)

@@ -1,6 +1,7 @@
 """``QuantizedAllGather`` / ``QuantizedReduceScatter``: FSDP2 comms that put QSDP codes on the wire.
 
-FSDP2 calls these with its flat, padded, rank-ordered buffers (``shared/design/qsdp.md`` 5.2).
+FSDP2 calls these with its flat, padded, rank-ordered buffers (``docs/qsdp.md``, "What FSDP2
+hands a comm").
 With a codec they run the quantized collectives of :mod:`qaccel.comm`; without one (bits off,
 or a unit too small to be worth it) they issue exactly FSDP2's default collective and only count
 its bytes, so the hook path itself changes nothing.
@@ -135,13 +136,18 @@ class QuantizedAllGather(_UnitComm, AllGather):
 
 
 class QuantizedReduceScatter(_UnitComm, ReduceScatter):
-    """FSDP2 ``ReduceScatter`` as an all-to-all of k-bit chunks, summed in fp32 and averaged here.
+    """FSDP2 ``ReduceScatter`` as an all-to-all of k-bit chunks, summed in fp32: a SUM transport.
 
-    The installer forces ``ReduceOp.SUM`` and a gradient divide factor of 1 on the unit, so FSDP
-    adds no scaling of its own and this comm divides the fp32 sum by the group size once: the
-    result is FSDP's average. ``ReduceOp.AVG`` is accepted too (same division); other ops are
-    refused because their scale cannot be read back. Summing and dividing ourselves also avoids
-    gloo's AVG (pytorch/pytorch#162338).
+    The installer forces ``ReduceOp.SUM`` on the unit (``set_force_sum_reduction_for_comms``) and
+    leaves the divide factor alone, so FSDP2 itself divides the summed shard afterwards, by the
+    data-parallel size or by a factor the user set with ``set_gradient_divide_factor`` (before or
+    after the install), in ``reduce_dtype``. ``ReduceOp.AVG`` (what FSDP2 passes if forced SUM
+    was switched off again and no factor is set) is honoured too: the fp32 sum is divided by the
+    group size. ``PREMUL_SUM`` and other ops are refused, because the comm cannot read their
+    scale back; gloo's AVG (pytorch/pytorch#162338) is never used.
+
+    Each call of a unit within one optimizer step draws fresh gradient noise (see
+    :class:`qaccel.fsdp.SeedSchedule`), so micro-batches that each reduce-scatter do not repeat it.
 
     Args:
         plan: the unit's segment map.
@@ -151,8 +157,8 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
     """
 
     @property
-    def owns_averaging(self) -> bool:
-        """True when the installer must force SUM and factor 1 on the unit."""
+    def needs_forced_sum(self) -> bool:
+        """True when the installer must force ``ReduceOp.SUM`` on the unit (quantized gradients)."""
         return self.codec is not None
 
     def __call__(
@@ -166,13 +172,19 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
         if self.codec is None:
             return counted_reduce_scatter(output_tensor, input_tensor, group, op, self.meter, KIND_FSDP_RS, async_op=async_op)
         world, rank = group.size(), group.rank()
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        if op == dist.ReduceOp.SUM:
+            divide_factor = 1.0
+        elif op == dist.ReduceOp.AVG:
+            divide_factor = float(world)
+        else:
             raise RuntimeError(
-                f"QuantizedReduceScatter (rank {rank}/{world}, unit {self.plan.name}): got reduce op {op}; "
-                "QSDP needs set_force_sum_reduction_for_comms(True) and set_gradient_divide_factor(1.0) on the unit "
-                "(the installer sets them; do not change them afterwards)"
+                f"QuantizedReduceScatter (rank {rank}/{world}, unit {self.plan.name}): got reduce op {op}; QSDP sums "
+                "quantized chunks and supports SUM (FSDP2 then divides by the data-parallel size or by "
+                "set_gradient_divide_factor) and AVG. The installer set set_force_sum_reduction_for_comms(True) on "
+                "the unit; keep it on to use a custom gradient divide factor"
             )
         layout = self.plan.layout(self.codec, output_tensor.numel(), input_tensor.dtype)
-        seeds = [self.seeds.grad_seed(self.plan.index, rank, dest) for dest in range(world)]
-        quantized_reduce_scatter(output_tensor, input_tensor, group, layout, seeds, self.meter, KIND_QSDP_RS, float(world))
+        call = self.seeds.next_grad_call(self.plan.index)
+        seeds = [self.seeds.grad_seed(self.plan.index, rank, dest, call) for dest in range(world)]
+        quantized_reduce_scatter(output_tensor, input_tensor, group, layout, seeds, self.meter, KIND_QSDP_RS, divide_factor)
         return None

@@ -2,9 +2,15 @@
 
 ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` set one unit only (they do
 not recurse), so the installer walks ``model.modules()``. Units whose gradients are quantized get
-``set_force_sum_reduction_for_comms(True)`` and ``set_gradient_divide_factor(1.0)``: FSDP then adds
-no scaling and the comm divides the fp32 sum once (``shared/design/qsdp.md`` 5.3). Units left on
-the stock path keep FSDP's reduce op and divide factor untouched, so they stay bit-identical.
+``set_force_sum_reduction_for_comms(True)``: the comm is then a SUM transport, and FSDP2 divides
+the summed shard itself, by the data-parallel size or by the factor the user set with
+``set_gradient_divide_factor`` (``docs/qsdp.md``, "Reduce-scatter"). The divide factor is never
+touched. Units left on the stock path keep FSDP's reduce op too, so they stay bit-identical.
+
+What QSDP cannot do right is refused here, before any collective, instead of degrading silently
+(``docs/qsdp.md``, "What is refused"): HSDP / 2-D meshes and several param groups per unit
+(:func:`find_units`), and on a quantized unit: parameters all-gathered in different dtypes,
+tensor-subclass all-gather extensions, and ``reshard_after_forward=<int>``.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ logger = logging.getLogger(__name__)
 class QSDPHandle:
     """What :func:`install_qsdp` installed: units, their plans and comms, and the seed schedule.
 
-    ``state_dict()`` / ``load_state_dict()`` carry the step counter (and check the seed and world
-    size), so a resumed run draws the same rounding noise as an uninterrupted one.
+    ``state_dict()`` / ``load_state_dict()`` carry the step and gradient-call counters and the
+    config, so a resumed run draws the same rounding noise as an uninterrupted one. QSDP keeps no
+    per-rank state, so a run may resume on another world size; a changed QSDP config is refused.
     """
 
     config: QSDPConfig
@@ -76,8 +83,16 @@ class QSDPHandle:
         return {"seeds": self.seeds.state_dict(), "world_size": self.world_size, "config": self.config.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if int(state["world_size"]) != self.world_size:
-            raise ValueError(f"QSDP checkpoint: saved with world_size={state['world_size']}, resuming with {self.world_size}")
+        """Restore the counters; raise ValueError naming every QSDP setting that changed since the save."""
+        saved = QSDPConfig.from_dict(state["config"], source="QSDP checkpoint")
+        changed = saved.differences(self.config)
+        if changed:
+            listed = "; ".join(f"{name}: saved {old!r}, now {new!r}" for name, (old, new) in changed.items())
+            raise ValueError(
+                f"QSDP checkpoint: saved with a different QSDP config ({listed}); resuming with other QSDP "
+                "settings would not continue the saved run. Resume with the saved settings, or start a new run"
+            )
+        # The world size is informative only: no QSDP state depends on it.
         self.seeds.load_state_dict(state["seeds"])
 
     def remove_hooks(self) -> None:
@@ -110,7 +125,9 @@ def install_qsdp(
     Raises:
         RuntimeError: torch without FSDP2 custom comms.
         ValueError: ``model`` has no FSDP2 unit, or a unit already has another custom comm.
-        NotImplementedError: HSDP / 2-D mesh, or several param groups in a unit.
+        NotImplementedError: HSDP / 2-D mesh, several param groups in a unit, or a quantized unit
+            whose parameters are all-gathered in different dtypes, that uses tensor-subclass
+            all-gather extensions, or that was sharded with ``reshard_after_forward=<int>``.
 
     Example::
 
@@ -140,17 +157,57 @@ def install_qsdp(
         )
         all_gather = QuantizedAllGather(plan, config.weight_codec(), seeds, meter)
         reduce_scatter = QuantizedReduceScatter(plan, config.grad_codec(), seeds, meter)
-        for module in unit.modules:
-            if reduce_scatter.owns_averaging:
-                module.set_force_sum_reduction_for_comms(True)
-                module.set_gradient_divide_factor(1.0)
-            module.set_custom_all_gather(all_gather)
-            module.set_custom_reduce_scatter(reduce_scatter)
+        refuse_unsupported(unit, weights_quantized=all_gather.codec is not None, grads_quantized=reduce_scatter.codec is not None)
         plans.append(plan)
         all_gathers.append(all_gather)
         reduce_scatters.append(reduce_scatter)
+    # Every check passed: only now change the units.
+    for unit, all_gather, reduce_scatter in zip(units, all_gathers, reduce_scatters, strict=True):
+        for module in unit.modules:
+            if reduce_scatter.needs_forced_sum:
+                # SUM transport; FSDP2 divides afterwards (by P, or the user's gradient divide factor).
+                module.set_force_sum_reduction_for_comms(True)
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
     handle = QSDPHandle(config, units, plans, all_gathers, reduce_scatters, seeds, world_size)
     for optimizer in optimizers:
         handle.attach_optimizer(optimizer)
     logger.debug("QSDP installed on %d FSDP units: %s", len(units), handle.describe())
     return handle
+
+
+def refuse_unsupported(unit: FSDPUnit, *, weights_quantized: bool, grads_quantized: bool) -> None:
+    """Raise NotImplementedError for a quantized unit whose FSDP2 buffers QSDP cannot read correctly.
+
+    - Several all-gather dtypes: FSDP2 then gathers one uint8 byte buffer, so the segment map (in
+      elements of one dtype) no longer matches it. Stock FSDP2 also refuses to reduce-scatter
+      gradients of several dtypes.
+    - Tensor-subclass all-gather extensions (``fsdp_pre_all_gather``): the all-gather input is
+      not the parameter's shard.
+    - ``reshard_after_forward=<int>``: after forward every rank keeps a slice of the *decoded*
+      weights and backward re-gathers those within a smaller group, so the backward weights are no
+      longer bit-identical to the forward ones (only with quantized weights).
+    """
+    if not (weights_quantized or grads_quantized):
+        return
+    dtypes = set(unit.all_gather_dtypes)
+    if len(dtypes) > 1:
+        listed = ", ".join(f"{name}: {dtype}" for name, dtype in zip(unit.param_names, unit.all_gather_dtypes, strict=False))
+        raise NotImplementedError(
+            f"QSDP: FSDP unit {unit.name} all-gathers parameters of several dtypes ({listed}); FSDP2 then moves "
+            "one byte buffer that QSDP's per-element segment map cannot read. Give the unit one dtype (cast the "
+            "module, or a MixedPrecisionPolicy with param_dtype), or turn both QSDP paths off"
+        )
+    if unit.custom_extension and weights_quantized:
+        raise NotImplementedError(
+            f"QSDP: FSDP unit {unit.name} has parameters with tensor-subclass all-gather extensions "
+            f"(fsdp_pre_all_gather: {', '.join(unit.custom_extension)}); QSDP quantizes plain shards only. "
+            "Set weight_bits='off' for such a model"
+        )
+    if unit.reshard_after_forward_size is not None and weights_quantized:
+        raise NotImplementedError(
+            f"QSDP: FSDP unit {unit.name} was sharded with reshard_after_forward={unit.reshard_after_forward_size} "
+            "(an int): backward would re-gather already decoded weights within a smaller group, so forward and "
+            "backward would no longer compute with bit-identical weights. Use reshard_after_forward=True or False, "
+            "or weight_bits='off'"
+        )

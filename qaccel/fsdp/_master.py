@@ -1,6 +1,6 @@
 """Master-weight mode ``quantized``: keep each stored shard on its quantization grid.
 
-``shared/design/qsdp.md`` section 6, mode B: after every optimizer step each rank replaces its
+``docs/qsdp.md``, "Master weights", mode ``quantized``: after every optimizer step each rank replaces its
 shard of every quantized unit by a fresh stochastic rounding of it, ``x <- Q(x)``, the iteration
 ``x_{t+1} = Q_w(x_t - lr * g)`` the paper's theorem analyses. The rounding buckets over exactly
 the flat padded layout the all-gather sees (same segments, same zero padding), so the next

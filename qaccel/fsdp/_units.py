@@ -1,10 +1,11 @@
 """FSDP2 units of a model and the segment map of their flat communication buffers.
 
-This is the one module that reads FSDP2 internals (``shared/design/qsdp.md`` section 5.1): the
-comm base classes live in ``torch.distributed.fsdp._fully_shard._fsdp_api`` and a unit's module
-list and param groups in its private ``FSDPState``. Each access is feature-detected.
+This is the one module that reads FSDP2 internals (``docs/qsdp.md``, "Upstream hook points"): the
+comm base classes live in ``torch.distributed.fsdp._fully_shard._fsdp_api``, and a unit's module
+list, param groups, per-parameter all-gather dtypes and post-forward mesh in its private
+``FSDPState`` / ``FSDPParamGroup`` / ``FSDPParam``. Each access is feature-detected.
 
-Segment map (section 7): FSDP2's all-gather input of a unit is its parameters' shards, in the
+Segment map (``docs/qsdp.md``, "Segment map"): FSDP2's all-gather input of a unit is its parameters' shards, in the
 order ``fully_shard`` collected them (post-order DFS from the unit's modules, not entering nested
 units, each parameter once), each padded to ``ceil(dim0 / P) * prod(rest)`` elements. The
 reduce-scatter chunk for one rank has the same layout. The map is checked against the real
@@ -55,6 +56,14 @@ class FSDPUnit:
         params: the unit's sharded parameters in all-gather buffer order.
         world_size: size of the unit's 1-D shard mesh.
         name: qualified name of the first module, for messages.
+        all_gather_dtypes: per parameter, the dtype FSDP2 all-gathers it in (``param_dtype`` of
+            the mixed-precision policy, else the parameter's own dtype). When they differ, FSDP2
+            gathers one uint8 byte buffer instead of the elements.
+        reshard_after_forward_size: the group size given as ``reshard_after_forward=<int>``, or
+            ``None`` for a bool (the post-forward shards are then the regular ones, or none).
+        custom_extension: names of parameters whose local tensor defines ``fsdp_pre_all_gather``
+            (tensor-subclass all-gather extensions: the all-gather input is not the shard).
+        param_names: qualified names of ``params`` in the model, for messages.
     """
 
     index: int
@@ -62,6 +71,10 @@ class FSDPUnit:
     params: list[nn.Parameter]
     world_size: int
     name: str
+    all_gather_dtypes: tuple[torch.dtype, ...] = ()
+    reshard_after_forward_size: int | None = None
+    custom_extension: tuple[str, ...] = ()
+    param_names: tuple[str, ...] = ()
 
     def shard_numels(self) -> list[int]:
         return [padded_shard_numel(p.shape, self.world_size) for p in self.params]
@@ -113,6 +126,7 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
     """
     units: list[FSDPUnit] = []
     by_state: dict[int, FSDPUnit] = {}
+    names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -145,7 +159,51 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
                         "or symmetric-memory comms"
                     )
         world_size = next(iter(meshes)).size() if meshes else 1
-        unit = FSDPUnit(index=len(units), modules=(module,), params=params, world_size=world_size, name=name or "<root>")
+        unit = FSDPUnit(
+            index=len(units),
+            modules=(module,),
+            params=params,
+            world_size=world_size,
+            name=name or "<root>",
+            all_gather_dtypes=_all_gather_dtypes(groups),
+            reshard_after_forward_size=_reshard_after_forward_size(groups),
+            custom_extension=_custom_extension_params(groups, names),
+            param_names=tuple(names.get(id(param), "?") for param in params),
+        )
         units.append(unit)
         by_state[id(state)] = unit
     return units
+
+
+def _all_gather_dtypes(groups: list) -> tuple[torch.dtype, ...]:
+    """The dtype FSDP2 all-gathers each parameter in, known before its lazy init has run.
+
+    Mirror of ``FSDPParam.init_dtype_attrs`` (run at the first forward): a floating-point
+    parameter is cast to the policy's ``param_dtype`` when one is set, others keep their dtype.
+    """
+    dtypes = []
+    for group in groups:
+        policy_dtype = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            own = fsdp_param.sharded_param.dtype
+            dtypes.append(policy_dtype if policy_dtype is not None and own.is_floating_point else own)
+    return tuple(dtypes)
+
+
+def _reshard_after_forward_size(groups: list) -> int | None:
+    """``reshard_after_forward=<int>`` gives a post-forward mesh other than the unit's own mesh."""
+    for group in groups:
+        post_forward = getattr(group, "post_forward_mesh_info", None)
+        if post_forward is not None and post_forward is not group.mesh_info:
+            return int(post_forward.shard_mesh_size)
+    return None
+
+
+def _custom_extension_params(groups: list, names: dict[int, str]) -> tuple[str, ...]:
+    found = []
+    for group in groups:
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            local = getattr(fsdp_param, "_sharded_local_tensor", None)
+            if local is not None and hasattr(local, "fsdp_pre_all_gather"):
+                found.append(names.get(id(getattr(fsdp_param, "sharded_param", None)), type(local).__name__))
+    return tuple(found)

@@ -1,8 +1,14 @@
 """``QSDPConfig``: the validated settings of quantized FSDP2 (weights and gradients on the wire).
 
-Precedence (``shared/design/style.md`` section 7): explicit argument, then ``QACCEL_QSDP_<FIELD>``
+Precedence (``docs/qsdp.md``, "Settings"): explicit argument, then ``QACCEL_QSDP_<FIELD>``
 environment variables, then the ``qsdp`` section of a recipe file (``QACCEL_RECIPE`` or the
 ``recipe`` argument), then the defaults below. Only the classmethods read the environment or files.
+
+Every source goes through the same normalisation in ``__post_init__``, so a value means the same
+thing wherever it is written: ``off`` / ``none`` / ``false`` / ``32`` (any case), ``None``, ``False``
+and the int ``32`` all switch a path off; ``auto`` / ``none`` / ``""`` and ``None`` pick the per-bit
+default of a bucket size or metadata dtype; numbers may be given as decimal strings (an environment
+variable is always a string, and a quoted YAML value is one too).
 """
 
 from __future__ import annotations
@@ -18,13 +24,20 @@ from typing import Any
 from ..comm import WireCodec
 from ..quant import META_DTYPES, ROUNDINGS
 
-__all__ = ["QSDPConfig", "MASTER_WEIGHT_MODES", "ENV_PREFIX", "RECIPE_ENV"]
+__all__ = ["QSDPConfig", "MASTER_WEIGHT_MODES", "ENV_PREFIX", "RECIPE_ENV", "OFF_WORDS", "AUTO_WORDS"]
 
 ENV_PREFIX = "QACCEL_QSDP_"
 RECIPE_ENV = "QACCEL_RECIPE"
 MASTER_WEIGHT_MODES = ("fresh", "quantized")
-_OFF_WORDS = ("off", "none", "32")
-_AUTO_WORDS = ("auto", "none", "")
+# Spellings of "this path is off" (bits fields) and "per-bit default" (bucket size, meta dtype),
+# compared after strip() and lower(); the same set is accepted from code, environment and recipes.
+OFF_WORDS = ("off", "none", "false", "32")
+AUTO_WORDS = ("auto", "none", "")
+_BITS_FIELDS = ("weight_bits", "grad_bits")
+_BUCKET_FIELDS = ("weight_bucket_size", "grad_bucket_size")
+_META_FIELDS = ("weight_meta_dtype", "grad_meta_dtype")
+_INT_FIELDS = ("seed", "param_min_numel", "unit_min_numel")
+_WORD_FIELDS = ("rounding", "master_weights")
 
 
 def default_bucket(bits: int) -> tuple[int, str]:
@@ -43,20 +56,24 @@ class QSDPConfig:
     """Settings of QSDP (Markov et al., ICML 2023) on FSDP2.
 
     Attributes:
-        weight_bits: bits per weight on the all-gather, int in [2, 8], or ``None`` for the stock
-            collective (env ``QACCEL_QSDP_WEIGHT_BITS``; ``off``/``none``/``32`` mean ``None``).
-            Default 8.
+        weight_bits: bits per weight on the all-gather, int in [2, 8], or off for the stock
+            collective: ``None``, ``False``, ``32`` or the words ``off``/``none``/``false``/``32``
+            (any case) are all stored as ``None``, from code, ``QACCEL_QSDP_WEIGHT_BITS`` or a
+            recipe alike. Default 8.
         grad_bits: bits per gradient on the reduce-scatter, as above. Default 8.
-        weight_bucket_size: elements per quantization bucket of weights, >= 1, or ``None`` for the
-            per-bit default (1024 at 8 bits, 128 below). Smaller buckets: finer grid, more metadata.
+        weight_bucket_size: elements per quantization bucket of weights, >= 1, or ``None`` (also
+            ``auto``/``none``/``""``) for the per-bit default (1024 at 8 bits, 128 below). Smaller
+            buckets: finer grid, more metadata.
         grad_bucket_size: the same for gradients.
-        weight_meta_dtype: ``"float32"``, ``"bfloat16"`` or ``None`` (per-bit default: fp32 at 8
-            bits, bf16 below). bf16 halves the metadata; lo is rounded down, scale up.
+        weight_meta_dtype: ``"float32"``, ``"bfloat16"`` or ``None`` (also ``auto``/``none``/``""``;
+            per-bit default: fp32 at 8 bits, bf16 below). bf16 halves the metadata; lo is rounded
+            down, scale up.
         grad_meta_dtype: the same for gradients.
         rounding: ``"stochastic"`` (unbiased, the paper's quantizer; default) or ``"nearest"``
             (half the error, biased).
         seed: unsigned 64-bit seed; every codec call derives its noise from (seed, optimizer step,
-            FSDP unit, owner rank, direction, destination), so runs are reproducible. Default 0.
+            FSDP unit, owner rank, direction, destination, and for gradients the reduce-scatter
+            call within the step), so runs are reproducible. Default 0.
         master_weights: ``"fresh"`` (default): the owner keeps its full-precision shard and
             quantizes it freshly before every all-gather. ``"quantized"``: after every optimizer
             step the shard is replaced by its stochastically rounded value (the iteration the
@@ -81,14 +98,17 @@ class QSDPConfig:
     unit_min_numel: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("weight_bits", "grad_bits"):
-            _check_int(name, getattr(self, name), 2, 8, allow_none=True, none_means="off")
-        for name in ("weight_bucket_size", "grad_bucket_size"):
-            _check_int(name, getattr(self, name), 1, 1 << 24, allow_none=True, none_means="per-bit default")
-        for name in ("weight_meta_dtype", "grad_meta_dtype"):
+        # One normalisation for every source (code, environment, recipe): see the module docstring.
+        for f in fields(self):
+            object.__setattr__(self, f.name, _normalize(f.name, getattr(self, f.name)))
+        for name in _BITS_FIELDS:
+            _check_int(name, getattr(self, name), 2, 8, allow_none=True, none_means=_OFF_HELP)
+        for name in _BUCKET_FIELDS:
+            _check_int(name, getattr(self, name), 1, 1 << 24, allow_none=True, none_means="auto: the per-bit default")
+        for name in _META_FIELDS:
             value = getattr(self, name)
             if value is not None and value not in META_DTYPES:
-                raise ValueError(f"QSDPConfig.{name}={value!r}: must be one of {', '.join(META_DTYPES)} or None (per-bit default)")
+                raise ValueError(f"QSDPConfig.{name}={value!r}: must be one of {', '.join(META_DTYPES)} or auto/None (per-bit default)")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"QSDPConfig.rounding={self.rounding!r}: must be one of {', '.join(ROUNDINGS)}")
         _check_int("seed", self.seed, 0, (1 << 64) - 1)
@@ -98,6 +118,10 @@ class QSDPConfig:
             raise ValueError("QSDPConfig.master_weights='quantized': requires weight_bits in [2, 8], got weight_bits=None (off)")
         _check_int("param_min_numel", self.param_min_numel, 0)
         _check_int("unit_min_numel", self.unit_min_numel, 0)
+
+    def differences(self, other: QSDPConfig) -> dict[str, tuple[Any, Any]]:
+        """``{field: (self's value, other's value)}`` for every field where the two differ."""
+        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)}
 
     # -- resolved codecs ---------------------------------------------------------------------
     def weight_codec(self) -> WireCodec | None:
@@ -172,7 +196,8 @@ class QSDPConfig:
             if field_name not in known:
                 names = ", ".join(ENV_PREFIX + n.upper() for n in sorted(known))
                 raise ValueError(f"{env_name}: unknown QSDP setting; known names: {names}")
-            values[field_name] = _parse_env(field_name, raw, env_name)
+            # The raw string: __post_init__ parses it exactly as it parses a string from code.
+            values[field_name] = raw
             sources[field_name] = env_name
         values.update(overrides)
         sources.update({k: "argument" for k in overrides})
@@ -196,29 +221,44 @@ def _check_int(name: str, value: object, low: int, high: int | None = None, *, a
         return
     allowed = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
     if allow_none:
-        allowed += f" or None ({none_means})"
+        allowed += f", or {none_means}"
+    if isinstance(value, str):  # a string is an accepted type, but this one is no number or keyword
+        raise ValueError(f"QSDPConfig.{name}={value!r}: must be {allowed}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"QSDPConfig.{name}={value!r}: must be {allowed}")
     if value < low or (high is not None and value > high):
         raise ValueError(f"QSDPConfig.{name}={value}: must be {allowed}")
 
 
-def _parse_env(field_name: str, raw: str, env_name: str) -> Any:
-    """One parser per field type; raises ValueError naming the variable."""
-    text = raw.strip()
-    lowered = text.lower()
+_OFF_HELP = "off: None, False, 32 or 'off'/'none'/'false'/'32'"
+
+
+def _normalize(name: str, value: Any) -> Any:
+    """Map every accepted spelling of a field's value to its canonical form; leave the rest for the checks."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if name in _BITS_FIELDS:
+        if value is None or value is False or (type(value) is int and value == 32) or text in OFF_WORDS:
+            return None
+        return _int_from_text(value, text, 10)
+    if name in _BUCKET_FIELDS:
+        return None if text in AUTO_WORDS else _int_from_text(value, text, 10)
+    if name in _META_FIELDS:
+        return None if text in AUTO_WORDS else (text if text is not None else value)
+    if name in _INT_FIELDS:
+        return _int_from_text(value, text, 0)
+    if name in _WORD_FIELDS and text is not None:
+        return text
+    return value
+
+
+def _int_from_text(value: Any, text: str | None, base: int) -> Any:
+    """A string holding an integer becomes that int; anything else is returned for the checks to refuse."""
+    if text is None:
+        return value
     try:
-        if field_name in ("weight_bits", "grad_bits"):
-            return None if lowered in _OFF_WORDS else int(text)
-        if field_name in ("weight_bucket_size", "grad_bucket_size"):
-            return None if lowered in _AUTO_WORDS else int(text)
-        if field_name in ("weight_meta_dtype", "grad_meta_dtype"):
-            return None if lowered in _AUTO_WORDS else lowered
-        if field_name in ("seed", "param_min_numel", "unit_min_numel"):
-            return int(text, 0)
-        return lowered
+        return int(text, base)
     except ValueError:
-        raise ValueError(f"{env_name}={raw!r}: not a valid value for QSDPConfig.{field_name}") from None
+        return value
 
 
 def _read_recipe(path: Path) -> dict[str, Any]:

@@ -1,11 +1,12 @@
 """QSDP wiring into Accelerate: ``QSDPPlugin`` and the hooks ``qaccel.Accelerator`` calls.
 
-Order (``shared/design/accelerate.md`` sections 2-4):
+Order (``docs/qsdp.md``, "Accelerate"):
 
 1. ``before_init``: pick the plugin (a ``QSDPPlugin``, or one built from ``QACCEL_*`` settings
-   when ``accelerate launch`` asked for FSDP2), give it ``param_dtype=bf16, reduce_dtype=fp32``
-   under bf16 mixed precision (the wire format is ours, so an fp32 reduce costs no bandwidth),
-   and ask for the CPU backend when a distributed run has no GPU.
+   when ``accelerate launch`` asked for FSDP2) and hand Accelerate a *copy* of it, given
+   ``param_dtype=bf16, reduce_dtype=fp32`` under bf16 mixed precision (the wire format is ours, so
+   an fp32 reduce costs no bandwidth); ask for the CPU backend when a distributed run has no GPU.
+   The caller's plugin object is never changed.
 2. ``after_init``: on a multi-process CPU run, switch Accelerate to its FSDP2 path
    (:func:`qaccel.integration.cpu_fsdp.enable_fsdp2_on_cpu`).
 3. ``before_prepare``: refuse what QSDP cannot do, before any collective.
@@ -15,9 +16,10 @@ Order (``shared/design/accelerate.md`` sections 2-4):
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
-from dataclasses import fields
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -32,44 +34,88 @@ __all__ = ["QSDPPlugin", "before_init", "after_init", "before_prepare", "after_p
 
 logger = logging.getLogger(__name__)
 
-_QSDP_FIELDS = frozenset(f.name for f in fields(QSDPConfig))
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class QSDPPlugin(FullyShardedDataParallelPlugin):
-    """Accelerate's FSDP2 plugin plus a :class:`qaccel.QSDPConfig`.
+class _NotGiven:
+    """Default of the QSDP keyword shortcuts: tells "not given" apart from ``None`` ("off")."""
 
-    Keyword arguments named after ``QSDPConfig`` fields configure QSDP; all others go to
-    ``FullyShardedDataParallelPlugin`` (auto-wrap, ``reshard_after_forward``, mixed precision,
-    state-dict type, ...), which still reads Accelerate's ``FSDP_*`` variables. QSDP settings not
-    given here come from ``QACCEL_QSDP_*`` variables, then the ``qsdp`` section of the recipe
-    file (``recipe`` or ``QACCEL_RECIPE``), then the defaults.
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_NOT_GIVEN: Any = _NotGiven()
+# The keyword shortcuts of QSDPPlugin, in the order of its InitVars below (a unit test checks
+# that they are exactly QSDPConfig's fields, in this order).
+QSDP_KEYWORDS = (
+    "weight_bits",
+    "grad_bits",
+    "weight_bucket_size",
+    "grad_bucket_size",
+    "weight_meta_dtype",
+    "grad_meta_dtype",
+    "rounding",
+    "seed",
+    "master_weights",
+    "param_min_numel",
+    "unit_min_numel",
+)
+
+
+@dataclass
+class QSDPPlugin(FullyShardedDataParallelPlugin):
+    """Accelerate's FSDP2 plugin plus a :class:`qaccel.QSDPConfig`, as a dataclass like Accelerate's own.
+
+    ``qsdp_config`` is a real field, so ``repr``, ``dataclasses.fields`` and
+    ``dataclasses.replace`` keep it. The QSDP settings may be given as a ready ``qsdp_config`` or
+    as keywords named after ``QSDPConfig`` fields (``weight_bits=4``, ...); keywords not given come
+    from ``QACCEL_QSDP_*`` variables, then the ``qsdp`` section of the recipe file (``recipe`` or
+    ``QACCEL_RECIPE``), then the defaults, and ``__post_init__`` turns them into ``qsdp_config``.
+    All other fields are ``FullyShardedDataParallelPlugin``'s (auto-wrap, ``reshard_after_forward``,
+    mixed precision, state-dict type, ...), which still read Accelerate's ``FSDP_*`` variables.
+    ``fsdp_version`` defaults to 2 (``FSDP_VERSION`` if set); anything else is refused.
 
     Args:
-        qsdp_config: a ready config (then no QSDP keyword may be given).
+        qsdp_config: a ready config (then no QSDP keyword and no recipe may be given).
         recipe: a YAML/JSON recipe file with a ``qsdp`` section.
-        **kwargs: ``QSDPConfig`` fields and ``FullyShardedDataParallelPlugin`` fields.
+        weight_bits, grad_bits, ...: ``QSDPConfig`` fields (init-only).
 
     Raises:
         NotImplementedError: ``fsdp_version`` (or ``FSDP_VERSION``) is not 2.
-        ValueError: a bad QSDP value (naming the key, the value and where it came from).
+        ValueError: a bad QSDP value (naming the key, the value and where it came from), or both
+            ``qsdp_config`` and QSDP keywords / a recipe.
 
     Example::
 
         accelerator = Accelerator(fsdp_plugin=QSDPPlugin(weight_bits=8, grad_bits=8))
+        accelerator = Accelerator(fsdp_plugin=QSDPPlugin(qsdp_config=QSDPConfig(grad_bits="off")))
     """
 
-    def __init__(self, *, qsdp_config: QSDPConfig | None = None, recipe: str | os.PathLike | None = None, **kwargs: Any) -> None:
-        qsdp_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in _QSDP_FIELDS}
-        if qsdp_config is not None:
-            if qsdp_kwargs or recipe is not None:
-                raise ValueError(f"QSDPPlugin: give either qsdp_config or QSDP keywords/recipe, not both (got {sorted(qsdp_kwargs)})")
-            if not isinstance(qsdp_config, QSDPConfig):
-                raise TypeError(f"QSDPPlugin.qsdp_config: expected a QSDPConfig, got {type(qsdp_config).__name__}")
+    _: KW_ONLY
+    qsdp_config: QSDPConfig | None = field(default=None, metadata={"help": "the QSDP settings (qaccel.QSDPConfig)"})
+    recipe: InitVar[str | os.PathLike | None] = None
+    weight_bits: InitVar[Any] = _NOT_GIVEN
+    grad_bits: InitVar[Any] = _NOT_GIVEN
+    weight_bucket_size: InitVar[Any] = _NOT_GIVEN
+    grad_bucket_size: InitVar[Any] = _NOT_GIVEN
+    weight_meta_dtype: InitVar[Any] = _NOT_GIVEN
+    grad_meta_dtype: InitVar[Any] = _NOT_GIVEN
+    rounding: InitVar[Any] = _NOT_GIVEN
+    seed: InitVar[Any] = _NOT_GIVEN
+    master_weights: InitVar[Any] = _NOT_GIVEN
+    param_min_numel: InitVar[Any] = _NOT_GIVEN
+    unit_min_numel: InitVar[Any] = _NOT_GIVEN
+
+    def __post_init__(self, recipe: str | os.PathLike | None, *qsdp_values: Any) -> None:
+        given = {name: value for name, value in zip(QSDP_KEYWORDS, qsdp_values, strict=True) if value is not _NOT_GIVEN}
+        if self.qsdp_config is not None:
+            if given or recipe is not None:
+                raise ValueError(f"QSDPPlugin: give either qsdp_config or QSDP keywords/recipe, not both (got {sorted(given)}, recipe={recipe!r})")
+            if not isinstance(self.qsdp_config, QSDPConfig):
+                raise TypeError(f"QSDPPlugin.qsdp_config: expected a QSDPConfig, got {type(self.qsdp_config).__name__}")
         else:
-            qsdp_config = QSDPConfig.from_env(recipe=recipe, **qsdp_kwargs)
-        version = kwargs.pop("fsdp_version", None)
-        source = "argument"
+            self.qsdp_config = QSDPConfig.from_env(recipe=recipe, **given)
+        version, source = self.fsdp_version, "argument"
         if version is None:
             version, source = os.environ.get("FSDP_VERSION", "2"), "FSDP_VERSION"
         if str(version) != "2":
@@ -77,8 +123,10 @@ class QSDPPlugin(FullyShardedDataParallelPlugin):
                 f"QSDPPlugin.fsdp_version={version} (from {source}): QSDP runs on FSDP2 only; use fsdp_version=2 "
                 "(fsdp_config: {fsdp_version: 2} in the Accelerate config)"
             )
-        self.qsdp_config = qsdp_config
-        super().__init__(fsdp_version=2, **kwargs)
+        self.fsdp_version = 2
+        # reshard_after_forward=<int> is refused by Accelerate's FSDP2 plugin itself; install_qsdp
+        # refuses it too for models sharded by hand.
+        super().__post_init__()
 
 
 def _launched_with_fsdp2() -> bool:
@@ -98,13 +146,18 @@ def before_init(kwargs: dict[str, Any]) -> dict[str, Any]:
         plugin = kwargs["fsdp_plugin"] = QSDPPlugin()
     if not isinstance(plugin, FullyShardedDataParallelPlugin) or plugin.fsdp_version != 2:
         return kwargs
+    if isinstance(plugin, QSDPPlugin):
+        # Accelerate (and enable_fsdp2_on_cpu) set attributes on the plugin they are given: give
+        # them a copy, so the caller's object stays as the caller built it.
+        plugin = kwargs["fsdp_plugin"] = copy.copy(plugin)
     if isinstance(plugin, QSDPPlugin) and plugin.mixed_precision_policy is None and plugin.qsdp_config.grad_bits is not None:
         mixed_precision = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         mixed_precision = getattr(mixed_precision, "value", mixed_precision)
         if mixed_precision in _MP_DTYPES:
             dtype = _MP_DTYPES[mixed_precision]
             # Quantized gradients travel as our codes whatever reduce_dtype is, so reduce in fp32:
-            # the codec then sees exact gradients at no bandwidth cost (qsdp.md section 6).
+            # the codec then sees exact gradients, and FSDP2 divides the sum in fp32, at no
+            # bandwidth cost (docs/qsdp.md, "Mixed precision").
             plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=dtype)
     if "cpu" not in kwargs and not torch.cuda.is_available() and _world_size_from_env() > 1:
         # Without a GPU Accelerate would run each process alone; the CPU backend gives gloo.

@@ -7,8 +7,9 @@ have set (``distributed_type`` and ``fsdp_plugin``) before ``prepare`` makes ``p
 FSDP2 path (``_prepare_fsdp2`` -> ``fsdp2_prepare_model``) over gloo. The type is also mirrored
 into ``PartialState``, as the end of ``AcceleratorState.__init__`` does
 (``PartialState._shared_state["distributed_type"] = ...``): every later ``AcceleratorState()``
-(e.g. inside ``AcceleratedOptimizer``) copies ``PartialState``'s dict over its own. This is the only place qaccel writes Accelerate's state; its test fails loudly if an
-Accelerate upgrade moves these attributes (``shared/design/accelerate.md`` section 4).
+(e.g. inside ``AcceleratedOptimizer``) copies ``PartialState``'s dict over its own. This is the
+only place qaccel writes Accelerate's state; its test fails loudly if an Accelerate upgrade moves
+these attributes (``docs/qsdp.md``, "Accelerate").
 """
 
 from __future__ import annotations

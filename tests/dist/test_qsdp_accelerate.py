@@ -1,21 +1,31 @@
-"""QSDP through ``qaccel.Accelerator`` on 2 CPU processes: CPU FSDP2 switch, installer, checkpoints.
+"""QSDP through ``qaccel.Accelerator`` on CPU processes: CPU FSDP2 switch, installer, checkpoints, resume.
 
-Accelerate keeps one ``AcceleratorState`` per process, so one spawn runs one Accelerator and
-checks every stage of its life: init (FSDP2 on CPU, bf16 policy), prepare (a comm on every
-FSDP module), training (bytes in ``comm_stats``), and ``save_state`` / ``load_state`` (the seed
-step comes back) plus the full state dict.
+Accelerate keeps one ``AcceleratorState`` per process, so one spawn runs one Accelerator:
+
+1. world 2, uninterrupted: init (FSDP2 on CPU, bf16 policy), prepare (a comm on every FSDP
+   module), training (bytes in ``comm_stats``), ``save_state`` after step 2, steps 2-4, then
+   ``load_state`` (the seed step comes back) and the full state dict;
+2. world 2, resumed: a fresh process loads that checkpoint and runs steps 2-4. Its parameters
+   must be bit-identical to the uninterrupted run's (the oracle: run 1). As a control that the
+   comparison can fail, it then reloads and runs the same steps with the seed step reset to 0:
+   only the rounding noise differs, and the parameters must differ;
+3. world 3, resumed from the world-2 checkpoint: QSDP keeps no per-rank state, so this must work
+   and continue from the saved step, with the saved weights (uneven shards at world 3).
 """
 
 import os
 
+import pytest
 import torch
 
 from tests._dist import run_ranks
 
-TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 32}
+TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+SAVE_AFTER = 2  # optimizer steps before save_state
+END = 5  # steps SAVE_AFTER..END-1 run after the save
 
 
-def _accelerate_worker(rank, world_size, ckpt_dir):
+def _launch_env(rank, world_size):
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -24,15 +34,13 @@ def _accelerate_worker(rank, world_size, ckpt_dir):
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT="1",  # unused: the group already exists (FileStore rendezvous)
     )
-    from accelerate.state import PartialState
-    from torch.distributed.fsdp import FSDPModule
+
+
+def _accelerator_and_model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from qaccel import Accelerator, QSDPPlugin
-    from qaccel.fsdp import QuantizedAllGather, QuantizedReduceScatter
-    from qaccel.integration.cpu_fsdp import enable_fsdp2_on_cpu
 
-    out = {}
     plugin = QSDPPlugin(
         weight_bits=8,
         grad_bits=8,
@@ -41,19 +49,50 @@ def _accelerate_worker(rank, world_size, ckpt_dir):
         state_dict_type="SHARDED_STATE_DICT",
     )
     accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**TINY))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return accelerator, plugin, model, optimizer
+
+
+def _step(accelerator, model, optimizer, rank, step):
+    """One optimizer step on data fixed by (step, rank), independent of any data loader state."""
+    tokens = torch.randint(0, TINY["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(100 * step + rank))
+    with accelerator.autocast():
+        loss = model(input_ids=tokens, labels=tokens).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _full_params(model):
+    """Full parameters as raw bytes: exact, and picklable back to the test process without shared memory."""
+    return {name: param.full_tensor().detach().contiguous().numpy().tobytes() for name, param in model.named_parameters()}
+
+
+def _uninterrupted_worker(rank, world_size, ckpt_dir):
+    _launch_env(rank, world_size)
+    from accelerate.state import PartialState
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from qaccel.fsdp import QuantizedAllGather, QuantizedReduceScatter
+    from qaccel.integration.cpu_fsdp import enable_fsdp2_on_cpu
+
+    out = {}
+    accelerator, plugin, model, optimizer = _accelerator_and_model()
     # enable_fsdp2_on_cpu ran inside __init__: Accelerate's own view says FSDP2, in both states.
     out["types"] = (str(accelerator.distributed_type), str(PartialState().distributed_type), accelerator.is_fsdp2)
     policy = accelerator.state.fsdp_plugin.mixed_precision_policy
     out["policy"] = (str(policy.param_dtype), str(policy.reduce_dtype))
+    out["callers_plugin_untouched"] = plugin.mixed_precision_policy is None and accelerator.state.fsdp_plugin is not plugin
     try:
-        enable_fsdp2_on_cpu(accelerator, plugin)  # no longer MULTI_CPU: must refuse
+        enable_fsdp2_on_cpu(accelerator, accelerator.state.fsdp_plugin)  # no longer MULTI_CPU: must refuse
         out["second_call"] = None
     except RuntimeError as exc:
         out["second_call"] = str(exc)
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**TINY))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.utils.data.TensorDataset(torch.randint(0, 512, (16, 16), generator=torch.Generator().manual_seed(1)))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     prepared = accelerator.prepare(model, optimizer, loader)
@@ -73,6 +112,8 @@ def _accelerate_worker(rank, world_size, ckpt_dir):
 
     losses = []
     for step, (tokens,) in enumerate(loader):
+        if step == SAVE_AFTER:
+            break
         with accelerator.autocast():
             loss = model(input_ids=tokens, labels=tokens).loss
         accelerator.backward(loss)
@@ -83,38 +124,96 @@ def _accelerate_worker(rank, world_size, ckpt_dir):
     out["losses"] = losses
     out["logged"] = logged
     out["stats"] = accelerator.comm_stats()
-    out["step_after_training"] = accelerator.qsdp.seeds.step
+    out["step_at_save"] = accelerator.qsdp.seeds.step
 
+    out["params_at_save"] = _full_params(model)
     accelerator.save_state(ckpt_dir)
-    tokens = next(iter(loader))[0]
-    accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
-    optimizer.step()
-    out["step_after_extra"] = accelerator.qsdp.seeds.step
+    for step in range(SAVE_AFTER, END):
+        _step(accelerator, model, optimizer, rank, step)
+    out["step_at_end"] = accelerator.qsdp.seeds.step
+    out["params_at_end"] = _full_params(model)
     accelerator.load_state(ckpt_dir)
     out["step_after_load"] = accelerator.qsdp.seeds.step
     full = accelerator.get_state_dict(model)
-    out["full_state_dict"] = sorted(full)[:3] if accelerator.is_main_process else None
     out["full_numel"] = sum(v.numel() for v in full.values()) if accelerator.is_main_process else None
     out["expected_numel"] = sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(**TINY)).state_dict().values())
+    accelerator.end_training()
     return out
 
 
-def test_qsdp_through_accelerate_on_cpu(tmp_path):
-    results = run_ranks(_accelerate_worker, 2, tmp_path, str(tmp_path / "ckpt"))
+def _resumed_worker(rank, world_size, ckpt_dir, control):
+    _launch_env(rank, world_size)
+    accelerator, _, model, optimizer = _accelerator_and_model()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.load_state(ckpt_dir)
+    out = {"step_after_load": accelerator.qsdp.seeds.step, "params_after_load": _full_params(model)}
+    out["losses"] = [_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
+    out["step_at_end"] = accelerator.qsdp.seeds.step
+    out["params_at_end"] = _full_params(model)
+    if control:
+        accelerator.load_state(ckpt_dir)
+        accelerator.qsdp.seeds.step = 0  # as if the seed state had been lost: other rounding noise
+        for step in range(SAVE_AFTER, END):
+            _step(accelerator, model, optimizer, rank, step)
+        out["params_control"] = _full_params(model)
+    accelerator.end_training()
+    return out
+
+
+def _differing(a, b):
+    """Names of the parameters whose bits differ."""
+    assert a.keys() == b.keys()
+    return sorted(name for name in a if a[name] != b[name])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("qsdp_accelerate")
+    ckpt = str(tmp_path / "ckpt")
+    return run_ranks(_uninterrupted_worker, 2, tmp_path, ckpt), ckpt
+
+
+def test_qsdp_through_accelerate_on_cpu(uninterrupted):
+    results, _ = uninterrupted
     for out in results:
         assert out["types"] == ("DistributedType.FSDP", "DistributedType.FSDP", True)
         # bf16 mixed precision: bf16 weights on the wire, fp32 gradients into the codec.
         assert out["policy"] == ("torch.bfloat16", "torch.float32")
+        assert out["callers_plugin_untouched"]
         assert "needs a MULTI_CPU state" in out["second_call"]
         assert out["prepare_returns"] == "list"
         # Every FSDP module got both comms: the setters do not recurse, the installer does.
         assert out["comms"] == [("QuantizedAllGather", "QuantizedReduceScatter")]
         assert out["fsdp_modules"] >= 4 and out["quantized_units"] >= 3 and out["comm_classes_ok"]
-        assert len(out["losses"]) == 2 and all(torch.isfinite(torch.tensor(out["losses"])))
+        assert len(out["losses"]) == SAVE_AFTER and all(torch.isfinite(torch.tensor(out["losses"])))
         total = out["stats"]["total"]
         assert total["qsdp.all_gather"]["sent_bytes"] > 0 and total["qsdp.reduce_scatter"]["sent_bytes"] > 0
-        assert out["stats"]["steps"] == 2
+        assert out["stats"]["steps"] == SAVE_AFTER
         assert out["logged"]["comm/sent_bytes"] == sum(t["sent_bytes"] for t in out["stats"]["last_step"].values())
-        assert (out["step_after_training"], out["step_after_extra"], out["step_after_load"]) == (2, 3, 2)
+        assert (out["step_at_save"], out["step_at_end"], out["step_after_load"]) == (SAVE_AFTER, END, SAVE_AFTER)
+    assert results[0]["full_numel"] == results[0]["expected_numel"]
+
+
+def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(uninterrupted, tmp_path):
+    results, ckpt = uninterrupted
     rank0 = results[0]
-    assert rank0["full_numel"] == rank0["expected_numel"]
+    resumed = run_ranks(_resumed_worker, 2, tmp_path, ckpt, True)
+    for out in resumed:
+        assert out["step_after_load"] == SAVE_AFTER and out["step_at_end"] == END
+        assert _differing(out["params_after_load"], rank0["params_at_save"]) == []
+        # Resumed and uninterrupted runs end bit-identical: same weights, optimizer state and noise.
+        assert _differing(out["params_at_end"], rank0["params_at_end"]) == []
+        # Control: the same resume with other rounding noise ends elsewhere, so the check can fail.
+        assert _differing(out["params_control"], rank0["params_at_end"]) != []
+
+
+def test_resume_on_another_world_size(uninterrupted, tmp_path):
+    results, ckpt = uninterrupted
+    saved = torch.load(os.path.join(ckpt, "custom_checkpoint_0.pkl"), weights_only=False)
+    assert saved["seeds"]["step"] == SAVE_AFTER and saved["world_size"] == 2
+    resumed = run_ranks(_resumed_worker, 3, tmp_path, ckpt, False)
+    for out in resumed:
+        assert out["step_after_load"] == SAVE_AFTER and out["step_at_end"] == END
+        # Every rank of the 3-rank run (uneven shards) sees exactly the weights the 2-rank run saved.
+        assert _differing(out["params_after_load"], results[0]["params_at_save"]) == []
+        assert all(torch.isfinite(torch.tensor(out["losses"])))

@@ -1,26 +1,43 @@
-"""QSDP comms on real FSDP2 units over gloo (world 2 and 4), against independent references.
+"""QSDP comms on real FSDP2 units over gloo (world 2, 3 and 4), against independent references.
 
-Each worker shards a tiny GPT-2 the way Accelerate does (one unit per block, then the root) and
-checks one property family: the pass-through path is bit-identical to stock FSDP2; quantized
-all-gathers give every rank the same weights (forward and backward re-gathers too); quantized
-reduce-scatter lies within the codec's bound of the exact average; bytes equal the formula.
+Each worker shards a tiny GPT-2 the way Accelerate does (one unit per block, then the root). Its
+sizes are odd on purpose (width 65, vocabulary 509, 35 positions): dim 0 of most parameters does
+not divide by 2, 3 or 4, so FSDP2 pads the shards and the last rank holds fewer rows. Oracles:
+
+- stock FSDP2: the pass-through path must be bit-identical to it;
+- the true parameters (``full_tensor()`` before each step): every quantized all-gather output must
+  lie within the codec's bound of them, and equal them exactly where a parameter travels raw;
+- gradients of an unsharded replica, gathered with a plain ``dist.all_gather``: reduce-scatter
+  results must lie within the codec's bound of their sum divided by FSDP2's factor;
+- the bytes handed to torch's collectives, counted by wrapping ``dist.all_gather_single`` /
+  ``dist.all_to_all_single`` / ``dist.reduce_scatter_single`` in the worker: the meter must record
+  exactly those, and each payload must weigh what the codec's ``quantize(...).nbytes`` says its
+  segments weigh, plus at most 6 bytes of alignment.
 """
 
 import copy
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from qaccel.comm import WireMeter
 from qaccel.fsdp import QSDPConfig, install_qsdp
+from qaccel.quant import quantize
 from tests._dist import run_ranks
 
-# Dropout off: the compared runs must see identical computations, not different masks.
-TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+# Odd sizes (see the module docstring); dropout off: compared runs must see identical computations.
+TINY = {
+    "n_layer": 2, "n_embd": 65, "n_head": 5, "vocab_size": 509, "n_positions": 35,
+    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 508, "eos_token_id": 508,
+}  # fmt: skip
+VOCAB = TINY["vocab_size"]
+PARAM_MIN_NUMEL = 1024  # QSDPConfig's default: 2-D parameters with at least this many elements are quantized
+MAX_ALIGNMENT_PADDING = 6
 
 
 def build_gpt2(seed=0, **overrides):
@@ -38,7 +55,7 @@ def shard_like_accelerate(model, world_size, mesh=None):
     return model
 
 
-def batch(rank, step, vocab=512, size=(4, 16)):
+def batch(rank, step, vocab=VOCAB, size=(4, 16)):
     gen = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, vocab, size, generator=gen)
 
@@ -51,8 +68,16 @@ def train_step(model, optimizer, tokens):
     return loss.detach()
 
 
+def is_quantized(shape):
+    return len(shape) >= 2 and math.prod(shape) >= PARAM_MIN_NUMEL
+
+
+def padded_rows(shape, world):
+    return math.ceil(shape[0] / world)
+
+
 class Recorder:
-    """Wraps an installed comm to log each call's buffer sizes and a copy of its result."""
+    """Wraps an installed comm to log each call's unit and a copy of its result."""
 
     def __init__(self, inner, log, unit):
         self.inner, self.log, self.unit = inner, log, unit
@@ -64,7 +89,7 @@ class Recorder:
         work = self.inner(output_tensor, input_tensor, group, *args, **kwargs)
         if work is not None:
             work.wait()
-        self.log.append((self.unit, input_tensor.numel(), output_tensor.numel(), output_tensor.element_size(), output_tensor.detach().clone()))
+        self.log.append((self.unit, output_tensor.detach().clone()))
         return None
 
 
@@ -82,20 +107,90 @@ def wrap_comms(handle):
     return ag_log, rs_log
 
 
-def formula_chunk_bytes(shapes, world, bits, bucket, meta_size, elem_size, param_min_numel=1024):
-    """Section 3.2 bytes of one rank-chunk, derived from parameter shapes (not from qaccel)."""
-    segments = []
+@contextmanager
+def counting_collectives(calls):
+    """Wrap torch's flat collectives; append ``(kind, sent_bytes, per_peer_payload_bytes)`` per call.
+
+    Sent bytes follow the meter's convention for a collective of P ranks: all-gather and
+    reduce-scatter send (P-1) chunks, an all-to-all sends every non-empty split but its own.
+    """
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_to_all_single", "reduce_scatter_single")}
+
+    def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+        group = group or dist.group.WORLD
+        payload = input_tensor.numel() * input_tensor.element_size()
+        calls.append(("all_gather", (group.size() - 1) * payload, payload))
+        return originals["all_gather_single"](output_tensor, input_tensor, group=group, async_op=async_op)
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        group = group or dist.group.WORLD
+        per_row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        splits = input_split_sizes or [input.shape[0] // group.size()] * group.size()
+        sent = [rows * per_row for j, rows in enumerate(splits) if j != group.rank()]
+        calls.append(("all_to_all", sum(sent), max(sent, default=0)))
+        return originals["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        group = group or dist.group.WORLD
+        payload = output.numel() * output.element_size()
+        calls.append(("reduce_scatter", (group.size() - 1) * payload, payload))
+        return originals["reduce_scatter_single"](output, input, op=op, group=group, async_op=async_op)
+
+    dist.all_gather_single = all_gather_single
+    dist.all_to_all_single = all_to_all_single
+    dist.reduce_scatter_single = reduce_scatter_single
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def codec_chunk_bytes(shapes, world, codec, elem_size):
+    """Bytes of one rank-chunk by the codec: each parameter's padded shard quantized on its own.
+
+    The segment map of the design (docs/qsdp.md): buckets restart at every parameter; 1-D and small
+    parameters travel raw. The codec's ``quantize(...).nbytes`` gives each quantized shard's size.
+    """
+    total = 0
     for shape in shapes:
-        numel = math.ceil(shape[0] / world) * math.prod(shape[1:])
-        quantized = len(shape) >= 2 and shape.numel() >= param_min_numel
-        if segments and not quantized and not segments[-1][1]:
-            segments[-1][0] += numel
+        numel = padded_rows(shape, world) * math.prod(shape[1:])
+        if is_quantized(shape):
+            total += quantize(torch.zeros(numel), codec.bits, codec.bucket_size, "nearest", 0, codec.meta_dtype).nbytes
         else:
-            segments.append([numel, quantized])
-    codes = sum(bits * math.ceil(n / 8) for n, q in segments if q)
-    buckets = sum(math.ceil(n / bucket) for n, q in segments if q)
-    raw = sum(n * elem_size for n, q in segments if not q)
-    return sum(n for n, _ in segments), (codes + 3) // 4 * 4 + 2 * meta_size * buckets + (raw + 3) // 4 * 4
+            total += numel * elem_size
+    return total
+
+
+def gathered_weight_problems(out_flat, true_params, world, bits):
+    """Compare one all-gather output with the true parameters; returns (problems, max quantized error)."""
+    problems, worst = [], 0.0
+    shard_numels = [padded_rows(p.shape, world) * math.prod(p.shape[1:]) for p in true_params]
+    chunk = sum(shard_numels)
+    if out_flat.numel() != world * chunk:
+        return [f"output has {out_flat.numel()} elements, the parameters give {world} x {chunk}"], worst
+    for owner in range(world):
+        offset = owner * chunk
+        for param, numel in zip(true_params, shard_numels, strict=True):
+            rows = padded_rows(param.shape, world)
+            true = param[owner * rows : min((owner + 1) * rows, param.shape[0])].reshape(-1)
+            got = out_flat[offset : offset + true.numel()]
+            offset += numel
+            if true.numel() == 0:
+                continue
+            if not is_quantized(param.shape):
+                if not torch.equal(got, true):
+                    problems.append(f"raw parameter {tuple(param.shape)} owner {owner}: not exact")
+                continue
+            # Stochastic rounding errs by less than one grid step of the bucket; a bucket's range is
+            # at most the range of its parameter's padded shard (zero padding included).
+            values = true if true.numel() == numel else torch.cat([true, true.new_zeros(1)])
+            unit = float(values.max() - values.min()) / (2**bits - 1)
+            err = float((got - true).abs().max())
+            worst = max(worst, err)
+            if err > unit * (1 + 1e-5) + 1e-7 * float(true.abs().max()):
+                problems.append(f"parameter {tuple(param.shape)} owner {owner}: error {err:.3e} > grid step {unit:.3e}")
+    return problems, worst
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,27 +201,26 @@ def _pass_through_is_stock(rank, world_size):
     opt_hooked = torch.optim.AdamW(hooked.parameters(), lr=1e-2)
     meter = WireMeter()
     handle = install_qsdp(hooked, QSDPConfig(weight_bits=None, grad_bits=None), optimizers=[opt_hooked], meter=meter)
-    ag_log, rs_log = wrap_comms(handle)
+    calls = []
     for step in range(3):
         train_step(stock, opt_stock, batch(rank, step))
-        train_step(hooked, opt_hooked, batch(rank, step))
+        with counting_collectives(calls):
+            train_step(hooked, opt_hooked, batch(rank, step))
     mismatched = [
         name
         for (name, a), (_, b) in zip(stock.named_parameters(), hooked.named_parameters(), strict=True)
         if not torch.equal(a.to_local(), b.to_local())
     ]
-    # Bytes of the stock collectives: (P-1) * chunk * itemsize per call, from FSDP's own buffers.
-    expected = sum((world_size - 1) * inp * size for _, inp, _, size, _ in ag_log)
-    expected_rs = sum((world_size - 1) * out * size for _, _, out, size, _ in rs_log)
     totals = meter.totals()
-    return mismatched, expected, totals["fsdp.all_gather"].sent_bytes, expected_rs, totals["fsdp.reduce_scatter"].sent_bytes, handle.seeds.step
+    counted = {kind: sum(sent for k, sent, _ in calls if k == kind) for kind in ("all_gather", "reduce_scatter", "all_to_all")}
+    metered = {"all_gather": totals["fsdp.all_gather"].sent_bytes, "reduce_scatter": totals["fsdp.reduce_scatter"].sent_bytes, "all_to_all": 0}
+    return mismatched, counted, metered, handle.seeds.step
 
 
 def test_compression_off_is_bit_identical_to_stock_fsdp2(checks):
-    for mismatched, expected_ag, got_ag, expected_rs, got_rs, steps in checks["pass_through"]:
+    for mismatched, counted, metered, steps in checks["pass_through"]:
         assert mismatched == []
-        assert got_ag == expected_ag > 0
-        assert got_rs == expected_rs > 0
+        assert metered == counted and counted["all_gather"] > 0 and counted["reduce_scatter"] > 0
         assert steps == 3  # the optimizer post-hook advanced the seed step once per step
 
 
@@ -138,62 +232,87 @@ def _w8g8_weights_and_bytes(rank, world_size):
     config = QSDPConfig(weight_bits=8, grad_bits=8, unit_min_numel=0)
     handle = install_qsdp(model, config, optimizers=[optimizer], meter=meter)
     ag_log, rs_log = wrap_comms(handle)
-    per_step = []
-    outputs = []
-    for step in range(2):
-        start_ag, start_rs = len(ag_log), len(rs_log)
-        train_step(model, optimizer, batch(rank, step))
-        per_step.append((ag_log[start_ag:], rs_log[start_rs:], meter.end_step()))
-        outputs.append([(unit, out) for unit, _, _, _, out in ag_log[start_ag:]])
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, outputs)
-    # Independent byte formula per unit from the parameter shapes.
     shapes = {unit.index: [p.shape for p in unit.params] for unit in handle.units}
-    problems = []
-    for step, (ags, rss, closed) in enumerate(per_step):
-        expected_ag = expected_rs = 0
-        for unit, inp, _, size, _ in ags:
-            numel, blob = formula_chunk_bytes(shapes[unit], world_size, 8, 1024, 4, size)
-            if numel != inp:
-                problems.append(f"unit {unit}: segment map {numel} != FSDP buffer chunk {inp}")
-            expected_ag += (world_size - 1) * blob
-        for unit, _, out, size, _ in rss:
-            numel, blob = formula_chunk_bytes(shapes[unit], world_size, 8, 1024, 4, size)
-            if numel != out:
-                problems.append(f"unit {unit}: segment map {numel} != reduce-scatter output {out}")
-            expected_rs += (world_size - 1) * blob
-        if closed["qsdp.all_gather"].sent_bytes != expected_ag or closed["qsdp.all_gather"].recv_bytes != expected_ag:
-            problems.append(f"step {step}: all-gather {closed['qsdp.all_gather']} != {expected_ag}")
-        if closed["qsdp.reduce_scatter"].sent_bytes != expected_rs:
-            problems.append(f"step {step}: reduce-scatter {closed['qsdp.reduce_scatter']} != {expected_rs}")
-        # Forward and backward gathers of one unit within a step decode to identical weights.
+    problems, outputs, worst = [], [], 0.0
+    for step in range(2):
+        true = {unit.index: [p.full_tensor().detach().clone() for p in unit.params] for unit in handle.units}
+        start_ag, start_rs, calls = len(ag_log), len(rs_log), []
+        with counting_collectives(calls):
+            train_step(model, optimizer, batch(rank, step))
+        closed = meter.end_step()
+        ags, rss = ag_log[start_ag:], rs_log[start_rs:]
+        outputs.append(ags)
+        # Bytes: the meter records exactly what was handed to torch's collectives ...
+        gathers = [c for c in calls if c[0] == "all_gather"]
+        to_alls = [c for c in calls if c[0] == "all_to_all"]
+        if closed["qsdp.all_gather"].sent_bytes != sum(c[1] for c in gathers) or len(gathers) != len(ags):
+            problems.append(f"step {step}: all-gather meter {closed['qsdp.all_gather']} vs collectives {gathers}")
+        if closed["qsdp.reduce_scatter"].sent_bytes != sum(c[1] for c in to_alls) or len(to_alls) != len(rss):
+            problems.append(f"step {step}: reduce-scatter meter {closed['qsdp.reduce_scatter']} vs collectives {to_alls}")
+        # ... and each payload weighs what the codec says its segments weigh, plus alignment.
+        for (unit, _), (_, _, payload) in zip(ags, gathers, strict=False):
+            expected = codec_chunk_bytes(shapes[unit], world_size, config.weight_codec(), 4)
+            if not expected <= payload <= expected + MAX_ALIGNMENT_PADDING:
+                problems.append(f"step {step} unit {unit}: all-gather payload {payload} B, codec says {expected} B")
+        for (unit, _), (_, _, payload) in zip(rss, to_alls, strict=False):
+            expected = codec_chunk_bytes(shapes[unit], world_size, config.grad_codec(), 4)
+            if not expected <= payload <= expected + MAX_ALIGNMENT_PADDING:
+                problems.append(f"step {step} unit {unit}: reduce-scatter payload {payload} B, codec says {expected} B")
+        # Gathered weights lie within the codec bound of the true weights.
         by_unit = {}
-        for unit, _, _, _, out in ags:
+        for unit, out in ags:
+            unit_problems, unit_worst = gathered_weight_problems(out, true[unit], world_size, 8)
+            problems.extend(f"step {step} unit {unit}: {p}" for p in unit_problems)
+            worst = max(worst, unit_worst)
             by_unit.setdefault(unit, []).append(out)
+        # Forward and backward gathers of one unit within a step decode to identical weights.
         for unit, outs in by_unit.items():
             if any(not torch.equal(outs[0], o) for o in outs[1:]):
                 problems.append(f"step {step} unit {unit}: re-gathers differ")
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, [[out for _, out in step] for step in outputs])
     identical = all(
         torch.equal(a, b)
         for other in gathered
         for step_a, step_b in zip(gathered[0], other, strict=True)
-        for (_, a), (_, b) in zip(step_a, step_b, strict=True)
+        for a, b in zip(step_a, step_b, strict=True)
     )
-    return problems, identical
+    return problems, identical, worst
 
 
-def test_w8g8_identical_weights_on_all_ranks_and_exact_bytes(checks):
-    for problems, identical in checks["w8g8"]:
+def test_w8g8_weights_within_codec_bound_identical_on_all_ranks_and_bytes_as_handed_to_torch(checks):
+    for problems, identical, worst in checks["w8g8"]:
         assert problems == []
         assert identical, "ranks decoded different unsharded weights"
+        assert worst > 0  # the weights really were quantized: the bound had something to bound
 
 
 # --------------------------------------------------------------------------------------------
-def _g8_gradients_within_bound(rank, world_size):
-    replica = build_gpt2(n_positions=32)
+USER_FACTOR = 5.0  # a gradient divide factor that is neither 1 nor any world size under test
+
+
+def _g8_gradients(rank, world_size, mode):
+    """One backward with quantized gradients; ``mode`` says who sets which divide factor, and when.
+
+    ``default``: FSDP2 averages (divides by P); ``before`` / ``after``: the user sets
+    ``set_gradient_divide_factor(5)`` before / after ``install_qsdp``; ``avg``: the user switches the
+    forced SUM off again, so FSDP2 passes ``ReduceOp.AVG`` to the comm.
+    """
+    replica = build_gpt2()
     model = shard_like_accelerate(copy.deepcopy(replica), world_size)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if mode == "before":
+        for module in units:
+            module.set_gradient_divide_factor(USER_FACTOR)
     # Exact weights on the wire (weights off) so the replica computes the same local gradients.
     install_qsdp(model, QSDPConfig(weight_bits=None, grad_bits=8, unit_min_numel=0), meter=WireMeter())
+    if mode == "after":
+        for module in units:
+            module.set_gradient_divide_factor(USER_FACTOR)
+    if mode == "avg":
+        for module in units:
+            module.set_force_sum_reduction_for_comms(False)
+    factor = USER_FACTOR if mode in ("before", "after") else float(world_size)
     tokens = batch(rank, 0)
     model(input_ids=tokens, labels=tokens).loss.backward()
     replica(input_ids=tokens, labels=tokens).loss.backward()
@@ -202,50 +321,162 @@ def _g8_gradients_within_bound(rank, world_size):
     for (name, sharded), (_, plain) in zip(model.named_parameters(), replica.named_parameters(), strict=True):
         local_grads = [torch.empty_like(plain.grad) for _ in range(world_size)]
         dist.all_gather(local_grads, plain.grad.contiguous())
-        exact_avg = torch.stack(local_grads).sum(0) / world_size
-        rows = math.ceil(plain.shape[0] / world_size)
+        want_full = torch.stack(local_grads).double().sum(0) / factor
+        rows = padded_rows(plain.shape, world_size)
         lo, hi = rank * rows, min((rank + 1) * rows, plain.shape[0])
-        got = sharded.grad.to_local()
-        want = exact_avg[lo:hi]
-        # Each foreign chunk's bucket unit is at most (max - min) / L of that rank's whole chunk.
-        quantized = plain.dim() >= 2 and plain.numel() >= 1024
-        bound = torch.zeros(())
-        if quantized:
+        got = sharded.grad.to_local().double()
+        want = want_full[lo:hi]
+        # Each foreign chunk's grid step is at most the range of that rank's padded chunk / L.
+        bound = 0.0
+        if is_quantized(plain.shape) and hi > lo:
             for other in range(world_size):
-                if other != rank and hi > lo:
-                    chunk = local_grads[other][lo:hi]
-                    bound = bound + (chunk.max() - chunk.min()) / levels / world_size
-        err = (got - want).abs().max() if got.numel() else torch.zeros(())
-        tol = bound * (1 + 1e-5) + 1e-6 * want.abs().max() + 1e-9 if got.numel() else 0
-        report.append((name, quantized, float(err), float(tol), float(bound)))
+                if other != rank:
+                    chunk = local_grads[other][lo:hi].reshape(-1)
+                    if hi - lo < rows:
+                        chunk = torch.cat([chunk, chunk.new_zeros(1)])
+                    bound += float(chunk.max() - chunk.min()) / levels / factor
+        err = float((got - want).abs().max()) if got.numel() else 0.0
+        tol = bound * (1 + 1e-5) + 1e-6 * float(want.abs().max()) + 1e-9 if got.numel() else 0.0
+        report.append((name, is_quantized(plain.shape), err, tol))
     return report
 
 
-def test_g8_reduced_gradients_within_codec_bound_of_exact_average(checks):
-    for report in checks["g8"]:
-        too_far = [(n, e, t) for n, _, e, t, _ in report if e > t]
-        assert too_far == []
-        # The check has teeth: quantized gradients are not exact, raw ones are.
-        assert any(q and e > 0 for _, q, e, _, _ in report)
-        assert all(e <= 1e-6 for _, q, e, _, _ in report if not q)
-
-
-# --------------------------------------------------------------------------------------------
-def _hsdp_is_refused(rank, world_size):
-    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
-    fully_shard(model, mesh=mesh)
-    assert isinstance(model, FSDPModule)
+def _premul_sum_is_refused(rank, world_size):
+    model = shard_like_accelerate(build_gpt2(), world_size)
+    install_qsdp(model, QSDPConfig(weight_bits=None, grad_bits=8, unit_min_numel=0), meter=WireMeter())
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(False)  # FSDP2 then passes PREMUL_SUM(1/5)
+            module.set_gradient_divide_factor(USER_FACTOR)
+    tokens = batch(rank, 0)
     try:
-        install_qsdp(model, QSDPConfig())
-    except NotImplementedError as exc:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+    except RuntimeError as exc:
         return str(exc)
     return None
 
 
+@pytest.mark.parametrize("mode", ["default", "before", "after", "avg"])
+def test_g8_reduced_gradients_within_codec_bound_of_the_sum_divided_by_fsdps_factor(checks, mode):
+    for report in checks[f"g8_{mode}"]:
+        too_far = [(n, e, t) for n, _, e, t in report if e > t]
+        assert too_far == []
+        # The check has teeth: quantized gradients are not exact, raw ones are (up to fp32 sums).
+        assert any(q and e > 0 for _, q, e, _ in report)
+        assert all(e <= 1e-6 for _, q, e, _ in report if not q)
+
+
+def test_a_divide_the_comm_cannot_read_is_refused_with_a_clear_error(checks):
+    for message in checks["premul"]:
+        assert message is not None and "QuantizedReduceScatter" in message and "set_force_sum_reduction_for_comms(True)" in message
+
+
+# --------------------------------------------------------------------------------------------
+def _microbatch_rounding_errors(rank, world_size):
+    """Two micro-batches with the same data, gradient sync on for both (FSDP2 reduce-scatters twice).
+
+    Both reduce-scatters see identical inputs, so their rounding errors are comparable element by
+    element: with one seed per step they would be identical (correlation 1); with fresh noise per
+    call they are independent (correlation about 0, standard error 1/sqrt(n)).
+    """
+    replica = build_gpt2()
+    model = shard_like_accelerate(copy.deepcopy(replica), world_size)
+    handle = install_qsdp(model, QSDPConfig(weight_bits=None, grad_bits=8, unit_min_numel=0), meter=WireMeter())
+    tokens = batch(rank, 0)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    first = [p.grad.to_local().clone() for p in model.parameters()]
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    second = [p.grad.to_local() - f for p, f in zip(model.parameters(), first, strict=True)]
+    replica(input_ids=tokens, labels=tokens).loss.backward()
+    errors_1, errors_2 = [], []
+    for plain, g1, g2 in zip(replica.parameters(), first, second, strict=True):
+        if not is_quantized(plain.shape) or g1.numel() == 0:
+            continue
+        local_grads = [torch.empty_like(plain.grad) for _ in range(world_size)]
+        dist.all_gather(local_grads, plain.grad.contiguous())
+        rows = padded_rows(plain.shape, world_size)
+        exact = (torch.stack(local_grads).double().sum(0) / world_size)[rank * rows : rank * rows + g1.shape[0]]
+        errors_1.append((g1.double() - exact).reshape(-1))
+        errors_2.append((g2.double() - exact).reshape(-1))
+    e1, e2 = torch.cat(errors_1), torch.cat(errors_2)
+    correlation = float(torch.corrcoef(torch.stack([e1, e2]))[0, 1])
+    return correlation, e1.numel(), float(e1.abs().max()), handle.seeds.grad_calls(0)
+
+
+def test_each_microbatch_reduce_scatter_rounds_with_fresh_noise(checks):
+    for correlation, n, max_error, calls in checks["microbatch"]:
+        assert n > 10_000 and max_error > 0
+        assert calls == 2  # two reduce-scatters of the first unit, before any optimizer step
+        # Independent noise: |r| within 5 standard errors (1/sqrt(n)) of 0; identical noise gives 1.
+        assert abs(correlation) < 5 / math.sqrt(n), correlation
+
+
+# --------------------------------------------------------------------------------------------
+def _refusals(rank, world_size):
+    out = {}
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")) if world_size % 2 == 0 else None
+    if mesh is not None:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+        fully_shard(model, mesh=mesh)
+        try:
+            install_qsdp(model, QSDPConfig())
+            out["hsdp"] = None
+        except NotImplementedError as exc:
+            out["hsdp"] = str(exc)
+    flat_mesh = init_device_mesh("cpu", (world_size,))
+
+    def mixed(mp_policy=None):
+        # A frozen bf16 layer next to a trainable fp32 one (FSDP2 requires one dtype among trainable
+        # parameters only): FSDP2 all-gathers the unit as one uint8 byte buffer.
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64).to(torch.bfloat16).requires_grad_(False))
+        fully_shard(model, mesh=flat_mesh, **({"mp_policy": mp_policy} if mp_policy else {}))
+        return model
+
+    try:
+        install_qsdp(mixed(), QSDPConfig(unit_min_numel=0))
+        out["mixed"] = None
+    except NotImplementedError as exc:
+        out["mixed"] = str(exc)
+    # One all-gather dtype again (param_dtype casts the fp32 layer): accepted.
+    out["mixed_cast_ok"] = install_qsdp(mixed(MixedPrecisionPolicy(param_dtype=torch.bfloat16)), QSDPConfig(unit_min_numel=0)) is not None
+    if world_size == 4:  # reshard_after_forward=<int> needs a proper factor > 1 of the shard group size
+        def resharded():
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+            fully_shard(model[0], mesh=flat_mesh, reshard_after_forward=2)
+            fully_shard(model, mesh=flat_mesh)
+            return model
+
+        try:
+            install_qsdp(resharded(), QSDPConfig(unit_min_numel=0))
+            out["reshard_int"] = None
+        except NotImplementedError as exc:
+            out["reshard_int"] = str(exc)
+        # Weights off: the post-forward re-gather moves exact weights, so it is allowed.
+        out["reshard_int_weights_off_ok"] = install_qsdp(resharded(), QSDPConfig(weight_bits=None, unit_min_numel=0)) is not None
+    return out
+
+
 def test_hsdp_2d_mesh_is_refused_before_any_collective(checks):
-    for message in checks["hsdp"]:
-        assert message is not None and "2-D mesh" in message and "HSDP" in message
+    if checks["world"] % 2:
+        pytest.skip("an odd world size has no 2-D (replicate, shard) mesh")
+    for out in checks["refusals"]:
+        assert out["hsdp"] is not None and "2-D mesh" in out["hsdp"] and "HSDP" in out["hsdp"]
+
+
+def test_units_with_several_all_gather_dtypes_are_refused(checks):
+    for out in checks["refusals"]:
+        message = out["mixed"]
+        assert message is not None and "several dtypes" in message
+        assert "0.weight: torch.float32" in message and "1.weight: torch.bfloat16" in message
+        assert out["mixed_cast_ok"]
+
+
+def test_reshard_after_forward_int_is_refused_with_quantized_weights(checks):
+    if checks["world"] != 4:
+        pytest.skip("reshard_after_forward=<int> needs a shard group size with a proper factor > 1 (here: 4)")
+    for out in checks["refusals"]:
+        assert out["reshard_int"] is not None and "reshard_after_forward=2 (an int)" in out["reshard_int"]
+        assert out["reshard_int_weights_off_ok"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,13 +485,15 @@ def _all_checks(rank, world_size):
     results = {
         "pass_through": _pass_through_is_stock(rank, world_size),
         "w8g8": _w8g8_weights_and_bytes(rank, world_size),
-        "g8": _g8_gradients_within_bound(rank, world_size),
-        "hsdp": _hsdp_is_refused(rank, world_size),  # world 2: a (2, 1) mesh, still 2-D
+        **{f"g8_{mode}": _g8_gradients(rank, world_size, mode) for mode in ("default", "before", "after", "avg")},
+        "microbatch": _microbatch_rounding_errors(rank, world_size),
+        "refusals": _refusals(rank, world_size),
+        "premul": _premul_sum_is_refused(rank, world_size),  # last: the failed backward leaves FSDP mid-step
     }
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda ws: f"world{ws}")
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda ws: f"world{ws}")
 def checks(request, tmp_path_factory):
     per_rank = run_ranks(_all_checks, request.param, tmp_path_factory.mktemp(f"qsdp_comms_{request.param}"))
-    return {key: [r[key] for r in per_rank] for key in per_rank[0]}
+    return {"world": request.param, **{key: [r[key] for r in per_rank] for key in per_rank[0]}}

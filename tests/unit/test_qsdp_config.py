@@ -11,7 +11,8 @@ from qaccel.fsdp import QSDPConfig
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"weight_bits": 12}, r"QSDPConfig\.weight_bits=12: must be an int in \[2, 8\] or None"),
+        ({"weight_bits": 12}, r"QSDPConfig\.weight_bits=12: must be an int in \[2, 8\], or off: None, False, 32 or 'off'"),
+        ({"weight_bits": "eight"}, r"QSDPConfig\.weight_bits='eight': must be an int in \[2, 8\], or off"),
         ({"grad_bits": 1}, r"QSDPConfig\.grad_bits=1: must be an int in \[2, 8\]"),
         ({"grad_bucket_size": 0}, r"QSDPConfig\.grad_bucket_size=0: must be an int in \[1, "),
         ({"weight_meta_dtype": "float16"}, r"QSDPConfig\.weight_meta_dtype='float16': must be one of float32, bfloat16"),
@@ -28,8 +29,10 @@ def test_bad_values_name_key_value_and_allowed(kwargs, pattern):
 
 
 def test_wrong_type_is_type_error():
-    with pytest.raises(TypeError, match=r"QSDPConfig\.weight_bits='8'"):
-        QSDPConfig(weight_bits="8")
+    with pytest.raises(TypeError, match=r"QSDPConfig\.weight_bits=True"):
+        QSDPConfig(weight_bits=True)  # YAML's `on` / `yes`: no bit width
+    with pytest.raises(TypeError, match=r"QSDPConfig\.grad_bits=8\.0"):
+        QSDPConfig(grad_bits=8.0)
 
 
 def test_config_is_frozen_and_keyword_only():
@@ -84,7 +87,7 @@ def test_env_errors_name_the_variable(tmp_path):
         QSDPConfig.from_env({"QACCEL_QSDP_WEIGHT_BIT": "4"})
     with pytest.raises(ValueError, match=r"QSDPConfig\.weight_bits=12: .* \(from QACCEL_QSDP_WEIGHT_BITS\)"):
         QSDPConfig.from_env({"QACCEL_QSDP_WEIGHT_BITS": "12"})
-    with pytest.raises(ValueError, match=r"QACCEL_QSDP_SEED='abc': not a valid value"):
+    with pytest.raises(ValueError, match=r"QSDPConfig\.seed='abc': must be an int .* \(from QACCEL_QSDP_SEED\)"):
         QSDPConfig.from_env({"QACCEL_QSDP_SEED": "abc"})
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"qsdp": {"grad_bits": 9}}))
@@ -94,17 +97,79 @@ def test_env_errors_name_the_variable(tmp_path):
         QSDPConfig.from_file(tmp_path / "missing.yaml")
 
 
-def test_plugin_refuses_fsdp1_and_mixed_config(monkeypatch):
-    from qaccel import QSDPPlugin
+# --------------------------------------------------------------------------------------------
+# One set of spellings everywhere (issue 9, point 10): code, QACCEL_QSDP_* and recipe files.
+OFF_SPELLINGS = [None, False, 32, "off", "OFF", " Off ", "none", "None", "false", "FALSE", "32"]
+AUTO_SPELLINGS = [None, "auto", "AUTO", "none", ""]
 
-    with pytest.raises(NotImplementedError, match=r"QSDPPlugin\.fsdp_version=1 \(from argument\): QSDP runs on FSDP2 only"):
-        QSDPPlugin(fsdp_version=1)
-    monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(NotImplementedError, match=r"fsdp_version=1 \(from FSDP_VERSION\)"):
-        QSDPPlugin()
-    monkeypatch.delenv("FSDP_VERSION")
-    with pytest.raises(ValueError, match="either qsdp_config or QSDP keywords"):
-        QSDPPlugin(qsdp_config=QSDPConfig(), weight_bits=4)
-    plugin = QSDPPlugin(weight_bits=4, grad_bits=None, reshard_after_forward=False)
-    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is False
-    assert plugin.qsdp_config == QSDPConfig(weight_bits=4, grad_bits=None)
+
+def _from_python(field, value, tmp_path):
+    return QSDPConfig(**{field: value})
+
+
+def _from_env(field, value, tmp_path):
+    return QSDPConfig.from_env({f"QACCEL_QSDP_{field.upper()}": value})
+
+
+def _from_yaml_recipe(field, value, tmp_path):
+    import yaml
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"qsdp": {field: value}}))
+    assert yaml.safe_load(path.read_text())["qsdp"][field] == value  # the file holds this very value
+    return QSDPConfig.from_env({"QACCEL_RECIPE": str(path)})
+
+
+def _from_json_recipe(field, value, tmp_path):
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps({"qsdp": {field: value}}))
+    return QSDPConfig.from_file(path)
+
+
+SOURCES = {"python": _from_python, "env": _from_env, "yaml": _from_yaml_recipe, "json": _from_json_recipe}
+
+
+def matrix(spellings):
+    """(source, spelling) pairs; an environment variable can only hold the string spellings."""
+    return [
+        pytest.param(source, spelling, id=f"{source}-{spelling!r}")
+        for source in SOURCES
+        for spelling in spellings
+        if source != "env" or isinstance(spelling, str)
+    ]
+
+
+@pytest.mark.parametrize(("source", "spelling"), matrix(OFF_SPELLINGS))
+@pytest.mark.parametrize("field", ["weight_bits", "grad_bits"])
+def test_every_off_spelling_switches_the_path_off_from_every_source(field, spelling, source, tmp_path):
+    config = SOURCES[source](field, spelling, tmp_path)
+    assert getattr(config, field) is None
+    assert (config.weight_codec() if field == "weight_bits" else config.grad_codec()) is None
+    assert config == QSDPConfig(**{field: None})
+
+
+@pytest.mark.parametrize(("source", "spelling"), matrix([4, "4", " 4 "]))
+def test_a_bit_width_means_the_same_from_every_source(spelling, source, tmp_path):
+    assert SOURCES[source]("weight_bits", spelling, tmp_path).weight_bits == 4
+
+
+@pytest.mark.parametrize(("source", "spelling"), matrix(AUTO_SPELLINGS))
+@pytest.mark.parametrize("field", ["weight_bucket_size", "grad_meta_dtype"])
+def test_every_auto_spelling_means_the_per_bit_default_from_every_source(field, spelling, source, tmp_path):
+    config = SOURCES[source](field, spelling, tmp_path)
+    assert getattr(config, field) is None
+    assert config.weight_codec().bucket_size == 1024 and config.grad_codec().meta_dtype == torch.float32
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_the_same_bad_value_is_refused_from_every_source_naming_it(source, tmp_path):
+    with pytest.raises(ValueError, match=r"QSDPConfig\.weight_bits='of': must be an int in \[2, 8\], or off"):
+        SOURCES[source]("weight_bits", "of", tmp_path)
+    with pytest.raises((ValueError, TypeError), match=r"QSDPConfig\.grad_bits=(1|'1'): must be an int in \[2, 8\]"):
+        SOURCES[source]("grad_bits", "1", tmp_path)
+
+
+def test_differences_name_each_changed_field():
+    saved = QSDPConfig(weight_bits=8, grad_bits=4, seed=1)
+    assert saved.differences(QSDPConfig(weight_bits=8, grad_bits=4, seed=1)) == {}
+    assert saved.differences(QSDPConfig(weight_bits="off", grad_bits=4, seed=2)) == {"weight_bits": (8, None), "seed": (1, 2)}

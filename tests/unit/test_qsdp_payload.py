@@ -1,4 +1,10 @@
-"""Wire payload of one rank-chunk: byte formula, error bounds per segment, raw segments exact."""
+"""Wire payload of one rank-chunk: size against the codec, error bounds per segment, raw segments exact.
+
+Size oracle: the codec's own ``quantize(segment).nbytes`` for every quantized segment plus the raw
+bytes of the others, i.e. what the segments weigh when each is quantized on its own, independent
+of how the payload lays them out. The payload may add alignment padding and nothing else: at most
+3 bytes after the codes and 3 after the raw segments.
+"""
 
 import math
 
@@ -7,14 +13,27 @@ import torch
 
 from qaccel.comm import PayloadLayout, WireCodec, decode_chunk, encode_chunk, mix_seed
 from qaccel.fsdp import UnitPlan
+from qaccel.quant import quantize
+
+MAX_ALIGNMENT_PADDING = 6
 
 
-def expected_nbytes(segments, bits, bucket, meta_size, elem_size):
-    """The section 3.2 formula with our 4-byte alignment, written out independently."""
-    codes = sum(bits * math.ceil(n / 8) for n, q in segments if q)
-    buckets = sum(math.ceil(n / bucket) for n, q in segments if q)
-    raw = sum(n * elem_size for n, q in segments if not q)
-    return (codes + 3) // 4 * 4 + 2 * meta_size * buckets + (raw + 3) // 4 * 4
+def codec_bytes(x, segments, codec):
+    """Bytes of the segments quantized one by one (codes + metadata) plus the raw ones."""
+    total, offset = 0, 0
+    for numel, quantized in segments:
+        segment = x[offset : offset + numel]
+        if quantized:
+            total += quantize(segment, codec.bits, codec.bucket_size, codec.rounding, 0, codec.meta_dtype).nbytes
+        else:
+            total += segment.numel() * segment.element_size()
+        offset += numel
+    return total
+
+
+def assert_payload_size(layout, x):
+    expected = codec_bytes(x, layout.segments, layout.codec)
+    assert expected <= layout.nbytes <= expected + MAX_ALIGNMENT_PADDING, (layout.nbytes, expected)
 
 
 def bucket_units(x, segments, bucket, bits):
@@ -39,8 +58,7 @@ def test_payload_size_error_bound_and_raw_exact(bits, bucket, meta, rounding):
     segments = ((3000, True), (37, False), (1029, True))
     x = torch.cat([torch.randn(3000, generator=gen) * 0.02, 1 + 0.01 * torch.randn(37, generator=gen), torch.randn(1029, generator=gen)])
     layout = PayloadLayout(segments=segments, codec=WireCodec(bits, bucket, meta, rounding), elem_dtype=torch.float32)
-    meta_size = 4 if meta == torch.float32 else 2
-    assert layout.nbytes == expected_nbytes(segments, bits, bucket, meta_size, 4)
+    assert_payload_size(layout, x)
     blob = torch.empty(layout.nbytes, dtype=torch.uint8)
     encode_chunk(x, layout, seed=5, out=blob)
     decoded = decode_chunk(blob, layout, torch.empty_like(x))
@@ -72,8 +90,8 @@ def test_accumulate_adds_in_fp32_and_padding_is_deterministic():
 def test_bf16_buffer_round_trip():
     segments = ((2048, True), (64, False))
     layout = PayloadLayout(segments=segments, codec=WireCodec(8, 1024, torch.float32), elem_dtype=torch.bfloat16)
-    assert layout.nbytes == expected_nbytes(segments, 8, 1024, 4, 2)
     x = torch.randn(2112).to(torch.bfloat16)
+    assert_payload_size(layout, x)
     decoded = decode_chunk(encode_chunk(x, layout, 1, torch.empty(layout.nbytes, dtype=torch.uint8)), layout, torch.empty_like(x))
     assert torch.equal(decoded[2048:], x[2048:])
     units = bucket_units(x.float(), segments, 1024, 8)
@@ -103,3 +121,22 @@ def test_unit_plan_segment_map():
     assert plan.enabled
     assert not UnitPlan.build(0, "u", shapes, numels, param_min_numel=1024, unit_min_numel=10_000).enabled
     assert not UnitPlan.build(0, "u", shapes[1:3], numels[1:3], param_min_numel=0, unit_min_numel=0).enabled
+
+
+@pytest.mark.parametrize(
+    "segments",
+    [((37, True),), ((5, False), (1, True)), ((1029, True), (3, False), (9, True), (1, False)), ((0, True), (13, True))],
+    ids=str,
+)
+@pytest.mark.parametrize("elem_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [3, 5, 8])
+def test_odd_lengths_cost_the_codec_bytes_plus_alignment_only(segments, elem_dtype, bits):
+    layout = PayloadLayout(segments=segments, codec=WireCodec(bits, 16, torch.bfloat16), elem_dtype=elem_dtype)
+    x = torch.randn(sum(n for n, _ in segments)).to(elem_dtype)
+    assert_payload_size(layout, x)
+    decoded = decode_chunk(encode_chunk(x, layout, 3, torch.empty(layout.nbytes, dtype=torch.uint8)), layout, torch.empty_like(x))
+    offset = 0
+    for numel, quantized in segments:
+        if not quantized:
+            assert torch.equal(decoded[offset : offset + numel], x[offset : offset + numel])
+        offset += numel

@@ -1,0 +1,223 @@
+"""The model card (``README.md``) of an exported model, built from the run state.
+
+It starts from the recipe's card (``model_cards/<recipe>.md`` through ``qaccel.zoo.load_recipe``),
+or a generic paragraph when the run had no known recipe, and adds:
+
+- the YAML front matter (``huggingface_hub.ModelCardData``): ``library_name: transformers``, the
+  pipeline tag of the task, tags (``qaccel`` plus ``qsdp`` / ``0-1-adam`` / ``1-bit-adam``, and
+  ``bitsandbytes`` with ``8-bit`` / ``4-bit`` for a quantized export), ``base_model`` when the run
+  was fine-tuned from a Hub model, the dataset, and the run's evaluation results as ``model-index``;
+- a section on how the model was trained: method, its settings, processes, steps, and bytes on the
+  wire against the uncompressed baseline;
+- a section saying what the weights in the folder are (full precision, or bitsandbytes int8/nf4).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .run_state import METHODS, TASKS
+
+__all__ = ["build_model_card", "BNB_DESCRIPTIONS"]
+
+logger = logging.getLogger(__name__)
+
+_METHOD_TITLES = {
+    "qsdp": "QSDP (quantized FSDP2: k-bit weight all-gather and gradient reduce-scatter)",
+    "zero_one_adam": "0/1 Adam (frozen variance, 1-bit error-feedback all-reduce, local steps) on DDP",
+    "onebit_adam": "1-bit Adam (frozen variance, 1-bit error-feedback all-reduce) on DDP",
+    "none": "stock data parallelism (no compression)",
+}
+BNB_DESCRIPTIONS = {
+    "int8": "bitsandbytes int8 (LLM.int8(): int8 weights with one absmax scale per output row; outlier features computed in 16 bits)",
+    "nf4": "bitsandbytes nf4 (4-bit NormalFloat codes in blocks of 64 weights, one absmax scale per block)",
+}
+_GENERIC_BODY = (
+    "A model trained with qaccel, which compresses the communication of "
+    "data-parallel training (QSDP, 0/1 Adam, 1-bit Adam) while the weights stay in full precision."
+)
+
+
+def _recipe_card(recipe: str | None) -> tuple[str, dict]:
+    """The recipe's card prose and its front matter (empty when the recipe is unknown)."""
+    if not recipe:
+        return _GENERIC_BODY, {}
+    try:
+        from ..zoo import load_recipe
+
+        body = load_recipe(recipe).card_body
+    except (ImportError, AttributeError, LookupError, ValueError, OSError) as err:
+        logger.info("no model card for recipe %r (%s); using the generic text", recipe, err)
+        return _GENERIC_BODY, {}
+    if not isinstance(body, str) or not body.strip():
+        return _GENERIC_BODY, {}
+    if body.lstrip().startswith("---"):
+        card = ModelCard(body.lstrip())
+        return card.text.strip(), card.data.to_dict()
+    return body.strip(), {}
+
+
+def _is_hub_id(name: str | None) -> bool:
+    """True for ``name`` or ``org/name`` that is not a local path (``base_model`` must be a Hub id)."""
+    if not name or Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _fmt_bytes(value: int | None) -> str:
+    if value is None:
+        return "not measured"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value:,} bytes ({value / size:.2f} {unit})"
+    return f"{value:,} bytes"
+
+
+def _flatten(config: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(config, dict):
+        rows = []
+        for key in sorted(config):
+            rows += _flatten(config[key], f"{prefix}{key}.")
+        return rows
+    return [(prefix[:-1], config)]
+
+
+def _bits(value: Any) -> str:
+    return "full precision (stock collective)" if value is None else f"{value}-bit"
+
+
+def _training_section(state: dict, bnb: str | None, weights_dtype: str | None) -> str:
+    method, config = state["method"], state.get("method_config") or {}
+    rows = [("method", _METHOD_TITLES[method])]
+    if method == "qsdp":
+        rows += [("weights on the wire", _bits(config.get("weight_bits"))), ("gradients on the wire", _bits(config.get("grad_bits")))]
+    elif method in ("zero_one_adam", "onebit_adam"):
+        rows += [("gradients on the wire", "1-bit signs with error feedback (full precision during warm-up / variance steps)")]
+    rows += [("processes (world size)", str(state["world_size"])), ("optimizer steps", str(state["step"]))]
+    sent, baseline = state.get("wire_bytes_total"), state.get("baseline_wire_bytes_total")
+    rows.append(("bytes on the wire", _fmt_bytes(sent)))
+    rows.append(("uncompressed baseline", _fmt_bytes(baseline)))
+    if sent is not None and baseline:
+        rows.append(("ratio", f"{sent / baseline:.4f} of the baseline ({baseline / max(sent, 1):.1f}x less traffic)"))
+    if state.get("dataset"):
+        rows.append(("dataset", str(state["dataset"])))
+    if state.get("base_model"):
+        rows.append(("fine-tuned from", str(state["base_model"])))
+    lines = ["## How it was trained", "", "| | |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in rows]
+    settings = _flatten(config)
+    if settings:
+        lines += ["", f"Full `{method}` settings (`qaccel_config` in the weights' metadata and in `qaccel_config.json`):", ""]
+        lines += ["| setting | value |", "|---|---|"] + [f"| `{key}` | `{json.dumps(value)}` |" for key, value in settings]
+    lines += [
+        "",
+        "Bytes on the wire are what the training script measured for the run; only the communication was "
+        "compressed: the weights, gradients and optimizer state stayed in full precision in memory and in the checkpoints.",
+        "",
+        "## Weights in this folder",
+        "",
+        BNB_DESCRIPTIONS[bnb] + ", quantized after training for small, fast inference; `config.json` holds the "
+        "`quantization_config`, so loading needs `bitsandbytes`."
+        if bnb
+        else f"Full precision ({weights_dtype or 'as trained'}), exactly the trained weights.",
+    ]
+    return "\n".join(lines)
+
+
+def _usage_section(state: dict, model_name: str) -> str:
+    auto_class = TASKS[state["task"]][0]
+    return "\n".join(
+        [
+            "## Use",
+            "",
+            "```python",
+            f"from transformers import {auto_class}",
+            "",
+            f'model = {auto_class}.from_pretrained("{model_name}")',
+            "```",
+        ]
+    )
+
+
+def _eval_section(metrics: dict) -> str:
+    if not metrics:
+        return ""
+    lines = ["## Evaluation", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {name} | {value:.6g} |" if isinstance(value, float) else f"| {name} | {value} |" for name, value in sorted(metrics.items())]
+    return "\n".join(lines)
+
+
+def build_model_card(
+    run_state: dict, *, model_name: str, bnb: str | None = None, weights_dtype: str | None = None
+) -> ModelCard:
+    """The model card of an export of a checkpoint with this run state.
+
+    Args:
+        run_state: the checkpoint's ``qaccel_state.json``.
+        model_name: the title and the id in the usage snippet (the Hub repo id when known).
+        bnb: ``"int8"`` / ``"nf4"`` when the weights were quantized with bitsandbytes.
+        weights_dtype: the dtype of full-precision weights (shown in the card).
+
+    Returns:
+        A ``huggingface_hub.ModelCard``; ``card.save(path)`` writes it.
+    """
+    body, recipe_data = _recipe_card(run_state.get("recipe"))
+    method_tag = METHODS[run_state["method"]]
+    tags = ["qaccel"] + ([method_tag] if method_tag else [])
+    if bnb:
+        tags += ["bitsandbytes", "8-bit" if bnb == "int8" else "4-bit"]
+    for tag in recipe_data.pop("tags", None) or []:
+        if tag not in tags:
+            tags.append(tag)
+    pipeline_tag = TASKS[run_state["task"]][1]
+    dataset = run_state.get("dataset")
+    metrics = {k: v for k, v in (run_state.get("metrics") or {}).items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+    eval_results = [
+        EvalResult(
+            task_type=pipeline_tag,
+            dataset_type=dataset or "custom",
+            dataset_name=dataset or "custom",
+            metric_type=name.removeprefix("eval_"),
+            metric_name=name,
+            metric_value=float(value),
+        )
+        for name, value in sorted(metrics.items())
+    ]
+    recipe_data.pop("model-index", None)
+    for key in ("library_name", "pipeline_tag", "base_model", "datasets", "eval_results", "model_name"):
+        recipe_data.pop(key, None)
+    base_model = run_state.get("base_model")
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        tags=tags,
+        base_model=base_model if _is_hub_id(base_model) else None,
+        datasets=[dataset] if dataset else None,
+        model_name=model_name,
+        eval_results=eval_results or None,
+        **recipe_data,
+    )
+    sections = [
+        f"# {model_name}",
+        body,
+        _training_section(run_state, bnb, weights_dtype),
+        _usage_section(run_state, model_name),
+        _eval_section(metrics),
+        f"Trained with qaccel {run_state.get('qaccel_version')}"
+        + "".join(f", {name} {version}" for name, version in sorted((run_state.get("versions") or {}).items()) if name != "qaccel")
+        + ".",
+    ]
+    content = f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(s for s in sections if s) + "\n"
+    return ModelCard(content)

@@ -1,0 +1,238 @@
+"""``qaccel export``: a training checkpoint -> a Hugging Face model folder that records how it was trained.
+
+The folder holds ``model.safetensors`` (the trained weights; bitsandbytes int8/nf4 with ``bnb``),
+``config.json``, ``generation_config.json`` and the tokenizer files saved in the checkpoint's
+``hf_model/``, ``qaccel_config.json`` (the run state plus the measured results) and a model card
+``README.md``. Every safetensors file's ``__metadata__`` keeps ``format: pt`` (transformers refuses
+other formats) and adds the ``qaccel_*`` keys of :func:`safetensors_metadata`.
+
+The folder is built in a hidden sibling of ``out_dir`` and renamed into place at the end; on any
+error the sibling is removed, so ``out_dir`` is either absent, untouched, or complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from ._fs import install_dir, staging_dir, write_text_atomic
+from ._weights import SavedWeights, find_weights
+from .card import BNB_DESCRIPTIONS, build_model_card
+from .run_state import MODEL_FILES_DIR, TASKS, read_run_state
+
+__all__ = ["BNB_CHOICES", "SIDECAR_FILE", "export_checkpoint", "safetensors_metadata", "bnb_config"]
+
+logger = logging.getLogger(__name__)
+
+BNB_CHOICES = ("int8", "nf4")
+SIDECAR_FILE = "qaccel_config.json"
+SIDECAR_SCHEMA_VERSION = 1
+_SAVED_BY_MODEL = "config.json"  # written by save_pretrained (with quantization_config for bnb), never copied
+
+
+def _check_bnb(bnb: str | None) -> None:
+    if bnb is None:
+        return
+    if bnb not in BNB_CHOICES:
+        raise ValueError(f"export bnb={bnb!r}: must be one of {list(BNB_CHOICES)} or None (full precision)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(f"export --bnb {bnb} needs bitsandbytes ({err}); install it with `pip install qaccel[bnb]`") from None
+
+
+def bnb_config(bnb: str, compute_dtype: Any = None) -> Any:
+    """The transformers ``BitsAndBytesConfig`` of a ``--bnb`` choice.
+
+    ``int8`` is LLM.int8() (``load_in_8bit``, transformers' default outlier threshold 6.0); ``nf4``
+    is 4-bit NormalFloat without double quantization, computing in ``compute_dtype`` (default: the
+    dtype the weights were trained in, so CPU inference needs no half-precision kernels).
+    """
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if bnb == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if bnb == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype or torch.float32)
+    raise ValueError(f"bnb={bnb!r}: must be one of {list(BNB_CHOICES)}")
+
+
+def safetensors_metadata(run_state: dict, bnb: str | None = None) -> dict[str, str]:
+    """The ``__metadata__`` of every exported safetensors file (a str -> str map).
+
+    Keys: ``format`` (``pt``), ``qaccel_version`` (of the exporting qaccel), ``qaccel_method``,
+    ``qaccel_config`` (the method config as JSON), ``qaccel_recipe`` (empty without a recipe),
+    ``qaccel_step``, ``qaccel_wire_bytes_total``, ``qaccel_task``, ``qaccel_world_size`` and
+    ``qaccel_bnb`` (``none``, ``int8`` or ``nf4``).
+    """
+    return {
+        "format": "pt",
+        "qaccel_version": __version__,
+        "qaccel_method": run_state["method"],
+        "qaccel_config": json.dumps(run_state["method_config"], sort_keys=True),
+        "qaccel_recipe": run_state.get("recipe") or "",
+        "qaccel_step": str(run_state["step"]),
+        "qaccel_wire_bytes_total": str(run_state["wire_bytes_total"]),
+        "qaccel_task": run_state["task"],
+        "qaccel_world_size": str(run_state["world_size"]),
+        "qaccel_bnb": bnb or "none",
+    }
+
+
+def _sidecar(run_state: dict, bnb: str | None, weights_dtype: str | None, checkpoint_dir: Path) -> dict:
+    sent, baseline = run_state["wire_bytes_total"], run_state.get("baseline_wire_bytes_total")
+    return {
+        "schema_version": SIDECAR_SCHEMA_VERSION,
+        "qaccel_version": __version__,
+        "qaccel_method": run_state["method"],
+        "qaccel_config": run_state["method_config"],
+        "qaccel_recipe": run_state.get("recipe") or "",
+        "qaccel_step": run_state["step"],
+        "qaccel_wire_bytes_total": sent,
+        "qaccel_bnb": bnb or "none",
+        "weights": BNB_DESCRIPTIONS[bnb] if bnb else f"full precision ({weights_dtype})",
+        "task": run_state["task"],
+        "world_size": run_state["world_size"],
+        "results": {
+            "metrics": run_state.get("metrics") or {},
+            "wire_bytes_total": sent,
+            "baseline_wire_bytes_total": baseline,
+            "wire_bytes_ratio": (sent / baseline) if baseline else None,
+        },
+        "base_model": run_state.get("base_model"),
+        "dataset": run_state.get("dataset"),
+        "source_checkpoint": checkpoint_dir.name,
+        "trained_with": run_state.get("versions") or {},
+        "run_state": run_state,
+    }
+
+
+def _check_out_dir(out_dir: Path, checkpoint_dir: Path, overwrite: bool) -> None:
+    out, ckpt = out_dir.resolve(), checkpoint_dir.resolve()
+    if out == ckpt or out in ckpt.parents or ckpt in out.parents:
+        raise ValueError(f"export out_dir={out_dir}: is, contains or lies inside the checkpoint {checkpoint_dir}; choose another folder")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"export out_dir={out_dir}: exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"export out_dir={out_dir}: exists and is not empty; pass overwrite=True (qaccel export --overwrite) to replace it")
+
+
+def _stamp_metadata(folder: Path, metadata: dict[str, str]) -> None:
+    """Rewrite each safetensors file with ``metadata`` merged into its own (transformers writes only ``format``)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise RuntimeError(f"{folder}: save_pretrained wrote no safetensors file")
+    for path in files:
+        with safe_open(str(path), framework="pt") as fh:
+            merged = {**(fh.metadata() or {}), **metadata}
+            tensors = {key: fh.get_tensor(key) for key in fh.keys()}
+        save_file(tensors, str(path), metadata=merged)
+
+
+def _copy_model_files(hf_dir: Path, folder: Path) -> None:
+    """Tokenizer files and the run's own generation config next to the saved model."""
+    for item in sorted(hf_dir.iterdir()):
+        if item.name == _SAVED_BY_MODEL:
+            continue
+        if item.is_dir():
+            shutil.copytree(item, folder / item.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(item, folder / item.name)
+
+
+def _build_model(hf_dir: Path, task: str, dtype: Any) -> Any:
+    import transformers
+
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: not found; the checkpoint lacks the model config (save_checkpoint_metadata writes it)")
+    config = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    auto_class = getattr(transformers, TASKS[task][0])
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    return auto_class.from_config(config, **kwargs)
+
+
+def export_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    bnb: str | None = None,
+    overwrite: bool = False,
+    model_name: str | None = None,
+) -> Path:
+    """Write a Hugging Face model folder from a qaccel training checkpoint.
+
+    Args:
+        checkpoint_dir: a ``checkpoint-STEP/`` folder: Accelerate's ``save_state`` files (FSDP2
+            sharded DCP, FSDP2 full state dict, or DDP safetensors) plus ``qaccel_state.json`` and
+            ``hf_model/``.
+        out_dir: the folder to create.
+        bnb: ``None`` for the full-precision weights, ``"int8"`` or ``"nf4"`` for a
+            bitsandbytes-quantized folder (quantized on CPU through transformers).
+        overwrite: replace an existing non-empty ``out_dir`` (whole, only once the new folder is complete).
+        model_name: the name in the card's title, usage snippet and ``model-index`` (the Hub repo
+            id when known); default: the name of ``out_dir``.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        FileNotFoundError: no ``qaccel_state.json``, no ``hf_model/config.json`` or no weights.
+        FileExistsError: ``out_dir`` exists, is not empty, and ``overwrite`` is false.
+        ValueError: an unknown ``bnb``; a truncated or corrupted file (named); weights that do not
+            match the model built from the config; an invalid run state.
+        RuntimeError: ``bnb`` without bitsandbytes installed.
+    """
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    _check_bnb(bnb)
+    _check_out_dir(out_dir, checkpoint_dir, overwrite)
+    run_state = read_run_state(checkpoint_dir)
+    hf_dir = checkpoint_dir / MODEL_FILES_DIR
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(f"{hf_dir}: not found; the checkpoint lacks the model config (save_checkpoint_metadata writes it)")
+    saved = SavedWeights(find_weights(checkpoint_dir))  # checks every file against its index before any output exists
+    weights_dtype = str(saved.dtype).removeprefix("torch.") if saved.dtype is not None else None
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staged = staging_dir(out_dir, "export")
+    full_precision = staged
+    try:
+        if bnb:  # the full-precision folder the quantized model is loaded from
+            full_precision = staging_dir(out_dir, "export-fp")
+        model = _build_model(hf_dir, run_state["task"], saved.dtype)
+        saved.load_into(model)
+        model.eval()
+        model.save_pretrained(full_precision)
+        if bnb:
+            del model
+            import transformers
+
+            auto_class = getattr(transformers, TASKS[run_state["task"]][0])
+            quantized = auto_class.from_pretrained(
+                str(full_precision), quantization_config=bnb_config(bnb, saved.dtype), device_map="cpu"
+            )
+            quantized.save_pretrained(staged)
+            del quantized
+        _copy_model_files(hf_dir, staged)
+        _stamp_metadata(staged, safetensors_metadata(run_state, bnb))
+        sidecar = _sidecar(run_state, bnb, weights_dtype, checkpoint_dir)
+        write_text_atomic(staged / SIDECAR_FILE, json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+        card = build_model_card(run_state, model_name=model_name or out_dir.name, bnb=bnb, weights_dtype=weights_dtype)
+        card.save(str(staged / "README.md"))
+        install_dir(staged, out_dir)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    finally:
+        if full_precision != staged:
+            shutil.rmtree(full_precision, ignore_errors=True)
+    logger.info("exported %s (%s, step %d) to %s", checkpoint_dir, run_state["method"], run_state["step"], out_dir)
+    return out_dir

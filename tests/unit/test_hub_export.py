@@ -1,0 +1,113 @@
+"""``export_checkpoint`` on single-process checkpoints: the layouts the 2-rank tests do not produce.
+
+The multi-process tests (``tests/dist/test_export_checkpoints.py``) cover FSDP2's sharded DCP and
+DDP's ``model.safetensors``; here a tiny GPT-2 is written the way Accelerate writes an FSDP2 full
+state dict (``pytorch_model_fsdp.bin``) or a non-safe DDP checkpoint (``pytorch_model.bin``), and in
+bf16. The oracle is the original model: its state dict and its logits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from qaccel.hub import build_run_state, export_checkpoint, save_checkpoint_metadata
+
+TINY = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 16}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(**TINY)).eval()
+
+
+def _checkpoint(folder, model, weights_file: str | None, dtype=torch.float32):
+    folder.mkdir()
+    state = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    if weights_file == "model.safetensors":
+        state.pop("lm_head.weight")  # tied to the embedding; Accelerate leaves it out of safetensors too
+        save_file(state, str(folder / weights_file), metadata={"format": "pt"})
+    elif weights_file is not None:
+        torch.save(state, folder / weights_file)
+    run_state = build_run_state(method="none", method_config={"parallelism": "fsdp2"}, recipe=None, task="causal-lm",
+                                step=5, world_size=1, wire_bytes_total=0)  # fmt: skip
+    save_checkpoint_metadata(folder, run_state=run_state, model_config=model.config)
+    return folder
+
+
+def _logits(model) -> torch.Tensor:
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+@pytest.mark.parametrize("weights_file", ["pytorch_model_fsdp.bin", "pytorch_model.bin"])
+def test_torch_save_layouts_export_exactly(weights_file, model, tmp_path):
+    ckpt = _checkpoint(tmp_path / "checkpoint-5", model, weights_file)
+    loaded = AutoModelForCausalLM.from_pretrained(str(export_checkpoint(ckpt, tmp_path / "out")))
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], tensor), key
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=0)
+
+
+def test_bf16_weights_stay_bf16(model, tmp_path):
+    ckpt = _checkpoint(tmp_path / "checkpoint-5", model, "model.safetensors", dtype=torch.bfloat16)
+    out = export_checkpoint(ckpt, tmp_path / "out")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        dtypes = {fh.get_tensor(key).dtype for key in fh.keys()}
+        assert fh.metadata()["qaccel_method"] == "none"
+    assert dtypes == {torch.bfloat16}
+    loaded = AutoModelForCausalLM.from_pretrained(str(out))
+    assert torch.equal(loaded.transformer.wte.weight, model.transformer.wte.weight.to(torch.bfloat16))
+    assert "Full precision (bfloat16)" in (out / "README.md").read_text()
+
+
+def _no_partial(out):
+    assert not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def test_unreadable_or_missing_weights_are_named(model, tmp_path):
+    ckpt = _checkpoint(tmp_path / "checkpoint-5", model, "pytorch_model.bin")
+    path = ckpt / "pytorch_model.bin"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: unreadable .* truncated or corrupted"):
+        export_checkpoint(ckpt, tmp_path / "out")
+    _no_partial(tmp_path / "out")
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match=r"no model weights found \(looked for pytorch_model_fsdp_0/, pytorch_model_fsdp.bin"):
+        export_checkpoint(ckpt, tmp_path / "out")
+    (ckpt / "pytorch_model_fsdp_0_rank0.bin").write_bytes(b"x")
+    with pytest.raises(NotImplementedError, match="saved without DCP"):
+        export_checkpoint(ckpt, tmp_path / "out")
+    _no_partial(tmp_path / "out")
+
+
+def test_missing_model_config_and_bad_out_dir(model, tmp_path):
+    ckpt = _checkpoint(tmp_path / "checkpoint-5", model, "pytorch_model.bin")
+    with pytest.raises(ValueError, match="lies inside the checkpoint"):
+        export_checkpoint(ckpt, ckpt / "export")
+    with pytest.raises(ValueError, match="is, contains or lies inside the checkpoint"):
+        export_checkpoint(ckpt, tmp_path, overwrite=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="exists and is not a folder"):
+        export_checkpoint(ckpt, tmp_path / "file")
+    for item in (ckpt / "hf_model").iterdir():
+        item.unlink()
+    (ckpt / "hf_model").rmdir()
+    with pytest.raises(FileNotFoundError, match=r"hf_model: not found; the checkpoint lacks the model config"):
+        export_checkpoint(ckpt, tmp_path / "out")
+    _no_partial(tmp_path / "out")
+
+
+def test_bnb_without_bitsandbytes_is_a_clear_error(model, tmp_path, monkeypatch):
+    ckpt = _checkpoint(tmp_path / "checkpoint-5", model, "pytorch_model.bin")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if it were not installed
+    with pytest.raises(RuntimeError, match=r"--bnb nf4 needs bitsandbytes .* `pip install qaccel\[bnb\]`"):
+        export_checkpoint(ckpt, tmp_path / "out", bnb="nf4")
+    _no_partial(tmp_path / "out")

@@ -11,11 +11,12 @@ from typing import Any
 
 from ._version import __version__
 
-__all__ = ["__version__", "Accelerator", "QSDPPlugin", "QSDPConfig"]
+__all__ = ["__version__", "Accelerator", "QSDPPlugin", "QSDPConfig", "Trainer"]
 
 _LAZY = {
     "Accelerator": "qaccel.integration",
     "QSDPPlugin": "qaccel.integration",
+    "Trainer": "qaccel.integration",
     "QSDPConfig": "qaccel.fsdp",
 }
 

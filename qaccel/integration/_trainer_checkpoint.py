@@ -1,0 +1,61 @@
+"""qaccel's own state in Trainer checkpoints (``checkpoint-<step>/``).
+
+The Trainer does not go through ``accelerator.save_state`` / ``load_state``: it writes the model, the
+optimizer (``optimizer.pt`` from the main process under DDP, DCP folders under FSDP), the scheduler and
+the RNG states itself. What ``qaccel.Accelerator`` would have added to ``save_state`` is added here:
+
+- QSDP: ``qaccel_qsdp.json`` (main process): the seed schedule's step, seed, world size and config,
+  so a resumed run draws the same rounding noise as an uninterrupted one.
+- 0/1 Adam / 1-bit Adam: ``qaccel_zoadam_rank{r}.pt`` (every rank): that rank's error buffers, momentum
+  accumulator and, between 0/1 Adam syncs, its local weights; written and staged by the same functions
+  ``save_state`` / ``load_state`` use, so the files and their checks are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from . import _zero_one_adam
+
+__all__ = ["QSDP_STATE_FILE", "save_qaccel_state", "stage_onebit_state", "load_qsdp_state"]
+
+logger = logging.getLogger(__name__)
+
+QSDP_STATE_FILE = "qaccel_qsdp.json"
+
+
+def save_qaccel_state(accelerator: Any, output_dir: str | os.PathLike) -> None:
+    """Write qaccel's state next to the Trainer's; call on every rank."""
+    # Under DDP only the main process creates the folder (when saving the model): do not race it.
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    handle = getattr(accelerator, "qsdp", None)
+    if handle is not None and accelerator.is_main_process:
+        path = Path(output_dir) / QSDP_STATE_FILE
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(handle.state_dict(), indent=2, sort_keys=True))
+        os.replace(tmp, path)
+    _zero_one_adam._save_hook(accelerator)([], [], str(output_dir))
+
+
+def stage_onebit_state(accelerator: Any, checkpoint: str | os.PathLike) -> None:
+    """Stage this rank's 1-bit optimizer file so the next ``optimizer.load_state_dict`` restores it."""
+    _zero_one_adam._load_hook(accelerator)([], str(checkpoint))
+
+
+def load_qsdp_state(accelerator: Any, checkpoint: str | os.PathLike) -> None:
+    """Restore the QSDP seed schedule from ``checkpoint`` (a warning when the file is missing)."""
+    handle = getattr(accelerator, "qsdp", None)
+    if handle is None:
+        return
+    path = Path(checkpoint) / QSDP_STATE_FILE
+    if not path.exists():
+        logger.warning(
+            "QSDP: %s has no %s (saved without QSDP?): the rounding noise restarts from step 0; training is "
+            "unaffected otherwise", checkpoint, QSDP_STATE_FILE,
+        )  # fmt: skip
+        return
+    handle.load_state_dict(json.loads(path.read_text()))

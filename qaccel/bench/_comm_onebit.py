@@ -11,7 +11,9 @@ Two parts:
 2. **Over the schedule, counted.** The real schedules (:func:`qaccel.optim.count_step_kinds`) are run for
    the whole job (default: T = 152,000 steps, F = 12,500, kappa = 16, alpha = 1000, H = 16; 1-bit Adam
    freezes at 23,000: the BERT-Large seq128 run of the 0/1 Adam paper with the tutorial's alpha;
-   ``shared/design/zero_one_adam.md`` section 4) and multiplied by the measured bytes of each kind.
+   ``docs/zero_one_adam.md``, "Schedules") and multiplied by the measured bytes of each kind.
+3. **Optimizer step time, measured.** The wall-clock of ``optimizer.step()`` per step kind on the same real
+   steps (rank 0), and its mean over the schedule; the compressed kinds include their collectives.
 
 A *communication round* is an optimizer step that puts anything on the wire (the paper's count); the
 number of collective calls is reported too (DDP issues one all-reduce per 25 MB bucket, a 1-bit step one
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -36,11 +40,14 @@ MODELS = {
     "gpt2-124m": {},  # GPT2Config() defaults: 12 layers, 768 wide, 50257 vocab, 1024 positions
     "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 32},
 }
-# Schedules that make every step kind occur within a few real steps (measurement only).
+# Schedules that make every step kind occur within a few real steps (measurement only), most kinds several
+# times, so that the step timings can leave out each kind's first occurrence (state allocation) and the
+# step that changes the phase (it allocates the next phase's state). 0/1 Adam: full x5, 1-bit gradient x5,
+# sync x7, local x3; 1-bit Adam: full x4, compressed x5; AdamW x4.
 _PROBE = {
-    "0/1 Adam": ("ZeroOneAdam", dict(var_freeze_step=2, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2), 6),
-    "1-bit Adam": ("OneBitAdam", dict(freeze_step=2), 3),
-    "DDP AdamW fp32": ("AdamW", {}, 2),
+    "0/1 Adam": ("ZeroOneAdam", dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2), 21),
+    "1-bit Adam": ("OneBitAdam", dict(freeze_step=5), 10),
+    "DDP AdamW fp32": ("AdamW", {}, 4),
 }
 
 
@@ -99,12 +106,22 @@ def _probe(rank: int, world_size: int, model_name: str, method: str, granularity
         optimizer = cls(groups, lr=1e-4, granularity=granularity, wire_meter=meter, **schedule)
         register_ddp_comm_hook(ddp, optimizer)
     by_kind: dict[str, dict] = {}
+    seconds: dict[str, list[float]] = {}  # optimizer.step() wall-clock per kind, steady-state steps only
+    one_time: dict[str, list[float]] = {}
     vocab = model.config.vocab_size
+    schedule = getattr(optimizer, "schedule", None)
     for step in range(steps):
-        kind = optimizer.schedule.next_kind().value if optimizer_name != "AdamW" else "step"
+        kind = schedule.next_kind().value if schedule is not None else "step"
+        phase = schedule.phase if schedule is not None else None
         tokens = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(step * world_size + rank))
         ddp(input_ids=tokens, labels=tokens).loss.backward()
+        start = time.perf_counter()
         optimizer.step()
+        elapsed = time.perf_counter() - start
+        steady = kind in seconds or kind in one_time
+        if schedule is not None and schedule.phase != phase:
+            steady = False
+        (seconds if steady else one_time).setdefault(kind, []).append(elapsed)
         optimizer.zero_grad()
         tallies = meter.end_step()
         by_kind[kind] = {  # the last occurrence: after DDP's bucket rebuild
@@ -114,10 +131,16 @@ def _probe(rank: int, world_size: int, model_name: str, method: str, granularity
         }
     units = [list(g["params"]) for g in groups] if granularity == "group" else [[p] for g in groups for p in g["params"]]
     expected = onebit_wire_bytes([onebit_layout(sum(p.numel() for p in unit), world_size) for unit in units])
+    step_seconds = {
+        kind: {"seconds": statistics.median(seconds.get(kind) or one_time[kind]), "samples": len(seconds.get(kind, [])),
+               "one_time_only": kind not in seconds}
+        for kind in by_kind
+    }  # fmt: skip
     return {
         "method": method,
         "num_params": sum(p.numel() for p in model.parameters()),
         "by_kind": by_kind,
+        "step_seconds": step_seconds,
         "onebit_call_bytes_formula": expected.sent_bytes,
     }
 
@@ -166,10 +189,12 @@ def measure(args: argparse.Namespace) -> dict:
             "total_recv_bytes": baseline["recv_bytes"] * total,
             "rounds": total,
             "collective_calls": baseline["collective_calls"] * total,
+            **_step_time_fields(probes["DDP AdamW fp32"]["step_seconds"], {"step": total}),
         }
     ]
     for name, steps_by_kind in counts.items():
-        measured = probes["0/1 Adam" if name.startswith("0/1") else name]["by_kind"]
+        probe = probes["0/1 Adam" if name.startswith("0/1") else name]
+        measured = probe["by_kind"]
         rows.append(
             {
                 "method": name,
@@ -179,6 +204,7 @@ def measure(args: argparse.Namespace) -> dict:
                 "total_recv_bytes": sum(n * measured[kind]["recv_bytes"] for kind, n in steps_by_kind.items()),
                 "rounds": sum(n for kind, n in steps_by_kind.items() if measured[kind]["collective_calls"] > 0),
                 "collective_calls": sum(n * measured[kind]["collective_calls"] for kind, n in steps_by_kind.items()),
+                **_step_time_fields(probe["step_seconds"], steps_by_kind),
             }
         )
     for row in rows:
@@ -219,4 +245,17 @@ def measure(args: argparse.Namespace) -> dict:
         "rows": rows,
         "how": "bytes per step kind recorded by the wire meter on real DDP steps over gloo; step kinds counted "
         "by running the optimizers' schedules for the whole job; a round is a step that communicates",
+        "optimizer_step_how": "wall-clock seconds of optimizer.step() on rank 0 (one thread per rank), median over "
+        "the probe's steps of each kind without the kind's first step and without a step that changes the phase "
+        "(both allocate state; a kind with no other step reports those, one_time_only); steps of the compressed "
+        "kinds include their 1-bit collectives; optimizer_step_seconds_mean weights the kinds by the schedule",
+    }
+
+
+def _step_time_fields(step_seconds: dict[str, dict], steps_by_kind: dict[str, int]) -> dict:
+    """Per-kind step seconds of one method and their mean over the job's schedule."""
+    total = sum(steps_by_kind.values())
+    return {
+        "optimizer_step_seconds_by_kind": {kind: step_seconds[kind] for kind in steps_by_kind},
+        "optimizer_step_seconds_mean": sum(n * step_seconds[kind]["seconds"] for kind, n in steps_by_kind.items()) / total,
     }

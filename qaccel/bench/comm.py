@@ -1,7 +1,8 @@
 """``qaccel bench comm``: exact bytes (and rounds) on the wire per training step, per rank.
 
 Two sections measured in one run: QSDP against stock FSDP2 (``_comm_qsdp``) and 0/1 Adam /
-1-bit Adam against DDP AdamW (``_comm_onebit``). Both count bytes with the same wire meter.
+1-bit Adam against DDP AdamW (``_comm_onebit``). Both count bytes with the same wire meter; the 1-bit
+section also reports the wall-clock of ``optimizer.step()`` per step kind and over the schedule.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 wraps a qaccel 1-bit optimizer and the DDP model holding its parameters is prepared (same or a later
 ``prepare`` call), it:
 
-1. installs the comm hook on the DDP model (``shared/design/accelerate.md`` section 5: Accelerate's
+1. installs the comm hook on the DDP model (``docs/accelerate.md``, "The DDP comm hook": Accelerate's
    ``DDPCommunicationHookType`` is a closed enum, so the hook is registered by hand; keep
    ``DistributedDataParallelKwargs.comm_hook`` at NO, DDP accepts one hook), with the fp16 overflow
    agreement when Accelerate uses a ``GradScaler``;

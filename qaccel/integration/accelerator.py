@@ -1,19 +1,35 @@
 """``qaccel.Accelerator``: an ``accelerate.Accelerator`` that installs qaccel's communication.
 
-Accelerate has no plugin registry (``shared/design/accelerate.md`` section 1), so the subclass
-calls ``super().prepare`` and then installs QSDP comms on the returned FSDP2 modules and the
-0/1 Adam / 1-bit Adam DDP hook on the returned DDP model. Everything else is stock Accelerate.
+Accelerate has no plugin registry (``docs/accelerate.md``, "The subclass"), so the subclass calls
+``super().prepare`` and then installs QSDP comms on the returned FSDP2 modules and the 0/1 Adam /
+1-bit Adam DDP hook on the returned DDP model. Before ``super().__init__`` it runs a multi-process
+launch on a machine without a GPU as ``cpu=True`` (:mod:`qaccel.integration._cpu_launch`). Everything
+else is stock Accelerate.
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
 from typing import Any
 
 import accelerate
 
 from ..comm import WireMeter, default_meter
-from . import _qsdp, _zero_one_adam
+from . import _cpu_launch, _qsdp, _zero_one_adam
+
+_INIT_PARAMETERS = tuple(inspect.signature(accelerate.Accelerator.__init__).parameters)[1:]  # without self
+
+
+def _as_keywords(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``Accelerator.__init__`` arguments all by name, so the hooks below see a positional ``cpu`` too."""
+    if len(args) > len(_INIT_PARAMETERS):
+        raise TypeError(f"Accelerator() takes at most {len(_INIT_PARAMETERS)} positional arguments, got {len(args)}")
+    named = dict(zip(_INIT_PARAMETERS, args, strict=False))
+    twice = sorted(set(named) & set(kwargs))
+    if twice:
+        raise TypeError(f"Accelerator() got multiple values for {twice}")
+    return {**named, **kwargs}
 
 __all__ = ["Accelerator"]
 
@@ -23,8 +39,13 @@ class Accelerator(accelerate.Accelerator):
 
     Args:
         *args, **kwargs: as for ``accelerate.Accelerator``. ``fsdp_plugin`` may be a
-            :class:`qaccel.QSDPPlugin`.
+            :class:`qaccel.QSDPPlugin`. ``cpu`` unset on a multi-process launch (``torchrun``,
+            ``WORLD_SIZE > 1``) without a usable GPU means ``cpu=True``: the processes form one
+            ``MULTI_CPU`` group over gloo (stock Accelerate would run each one alone).
         wire_meter: where collectives record their bytes (default: the process-wide meter).
+
+    Raises:
+        ValueError: ``cpu=False`` on a multi-process launch without a usable GPU or other accelerator.
 
     Example::
 
@@ -35,8 +56,10 @@ class Accelerator(accelerate.Accelerator):
     """
 
     def __init__(self, *args: Any, wire_meter: WireMeter | None = None, **kwargs: Any) -> None:
+        kwargs = _as_keywords(args, kwargs)
+        kwargs = _cpu_launch.before_init(kwargs)  # first: QSDP's hook then sees the decided ``cpu``
         kwargs = _qsdp.before_init(kwargs)
-        super().__init__(*args, **kwargs)
+        super().__init__(**kwargs)
         self.wire_meter = wire_meter if wire_meter is not None else default_meter
         self.qsdp = None  # the QSDPHandle once a model is prepared with a QSDPPlugin
         _qsdp.after_init(self, fsdp_plugin=kwargs.get("fsdp_plugin"))

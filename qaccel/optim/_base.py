@@ -42,7 +42,7 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         self.schedule = schedule
         self.comm_plan = CommPlan(schedule)
         self.wire_meter = default_meter if wire_meter is None else wire_meter
-        self.last_grad_norm: float | None = None
+        self._last_grad_norm: torch.Tensor | float | None = None
         self._process_group = process_group
         self._comm_hook_required = False
         self._comm_hook_installed = False
@@ -155,23 +155,27 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         )
 
     def _clip(self, grads: list[torch.Tensor | None], kind: StepKind, world_size: int) -> list[torch.Tensor | None]:
-        """Scale the gradients to ``gradient_clipping`` with a norm that is the same on every rank.
+        """Scale the gradients, in place, to ``gradient_clipping`` with a norm that is the same on every rank.
 
         FULL steps: the norm of the all-reduced gradient (identical everywhere). Steps whose local
         gradient feeds a 1-bit all-reduce (0/1 Adam phase 1, 1-bit Adam after the freeze): the root mean
         square of the ranks' local norms, sqrt(mean_r ||g_r||^2), from one 4-byte all-reduce. 0/1 Adam
         phase 2: the rank's own norm (its gradient only moves the local replica until the next sync,
         and an all-reduce here would add a communication round to every local step).
+
+        As ``torch.nn.utils.clip_grad_norm_``: the coefficient ``min(1, max_norm / (norm + 1e-6))`` stays a
+        tensor and multiplies every gradient (by exactly 1 when the norm is small), so the decision never
+        needs the norm on the host.
         """
         max_norm = self.config.gradient_clipping
         if max_norm <= 0:
-            self.last_grad_norm = None
+            self._last_grad_norm = None
             return grads
         live = [g for g in grads if g is not None]
         if not live:
-            self.last_grad_norm = 0.0
+            self._last_grad_norm = 0.0
             return grads
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in live]))
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(live)))
         if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM) and world_size > 1:
             squared = (norm * norm).reshape(1)
             dist.all_reduce(squared, group=self._process_group)
@@ -181,11 +185,15 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
                 recv_bytes=ring_all_reduce_bytes(4, world_size),
             )
             norm = torch.sqrt(squared[0] / world_size)
-        self.last_grad_norm = float(norm)
-        coef = max_norm / (self.last_grad_norm + 1e-6)
-        if coef >= 1.0:
-            return grads
-        return [g * coef if g is not None else None for g in grads]
+        self._last_grad_norm = norm
+        torch._foreach_mul_(live, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return grads
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The norm the last step clipped with (None without ``gradient_clipping``); reading it syncs."""
+        norm = self._last_grad_norm
+        return None if norm is None else float(norm)
 
     # --------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -207,7 +215,7 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
             self._ensure_state(unit)
         if kind is StepKind.INIT:
             # DeepSpeed's initialization step: state only, the gradient is discarded. Its C(0) warm-up is
-            # skipped: it leaves every buffer at zero (design doc section 9, row 7).
+            # skipped: it leaves every buffer at zero (``docs/zero_one_adam.md``, "Deviations", 2).
             self.schedule.advance(kind)
             self._pending_resume = None
             return loss

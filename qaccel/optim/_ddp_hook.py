@@ -63,15 +63,17 @@ def onebit_comm_hook(state: OneBitCommHookState, bucket: dist.GradBucket) -> tor
         state.wire_meter.record("ddp.all_reduce", sent_bytes=nbytes, recv_bytes=nbytes)
         return allreduce_hook(state.process_group, bucket)
     if state.agree_on_overflow:
-        local = (~torch.isfinite(buffer)).any().to(torch.float32).reshape(1)
+        # 1.0 if this bucket holds an inf or NaN; one bool temporary of the bucket's length
+        local = torch.isfinite(buffer).all().logical_not().to(torch.float32).reshape(1)
         state._overflow = local if state._overflow is None else torch.maximum(state._overflow, local)
         if bucket.is_last():
             flag, state._overflow = state._overflow, None
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.process_group)
             nbytes = ring_all_reduce_bytes(4, world_size)
             state.wire_meter.record("ddp.overflow_flag_all_reduce", sent_bytes=nbytes, recv_bytes=nbytes)
-            if flag.item() > 0:
-                buffer.fill_(float("nan"))
+            # NaN everywhere iff some rank overflowed, decided on the device: `if flag.item()` would make
+            # the host wait for the all-reduce in every backward.
+            buffer.masked_fill_(flag.to(torch.bool), float("nan"))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future

@@ -1,9 +1,14 @@
 """Update maths of 0/1 Adam and 1-bit Adam as free functions over fp32 tensors.
 
-Each function is one line group of DeepSpeed's ``zoadam.py`` / ``adam.py`` step (design doc section 3),
+Each function is one line group of DeepSpeed's ``zoadam.py`` / ``adam.py`` step (``docs/zero_one_adam.md``),
 written with the same torch operations in the same order, so that fp32 results agree with DeepSpeed to
 the last bit where the inputs do. No bias correction; eps outside the square root; decoupled weight
 decay added to the update direction.
+
+The functions run once per unit (parameter or flat group) and write intermediate results in place, so a
+step allocates at most one temporary of the unit's size at a time (two with weight decay), never a
+model-sized one. They never read a tensor value on the host (no ``.item()``), so on CUDA a step is
+queued without waiting for the device.
 """
 
 from __future__ import annotations
@@ -35,16 +40,22 @@ def update_momentum(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> 
 def adam_direction(
     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, weights: torch.Tensor, eps: float, weight_decay: float
 ) -> torch.Tensor:
-    """``d = m / (sqrt(v) + eps) + wd * w`` (a new tensor)."""
-    direction = exp_avg / (exp_avg_sq.sqrt() + eps)
+    """``d = m / (sqrt(v) + eps) + wd * w`` (a new tensor, the only full-size allocation without decay).
+
+    Each operation rounds exactly as DeepSpeed's ``exp_avg / (exp_avg_sq.sqrt() + eps) + wd * p``; the
+    intermediate results are written into ``d`` instead of new tensors. ``wd * w`` still needs a temporary:
+    ``d.add_(w, alpha=wd)`` would be fused into one multiply-add on some kernels and round differently.
+    """
+    direction = exp_avg_sq.sqrt().add_(eps)
+    torch.div(exp_avg, direction, out=direction)
     if weight_decay > 0.0:
         direction += weights * weight_decay
     return direction
 
 
 def descend(weights: torch.Tensor, direction: torch.Tensor, lr: float) -> None:
-    """``w = w - lr * d``, computed as DeepSpeed does (``-lr * d`` first, then added)."""
-    weights.add_(direction * -lr)
+    """``w = w - lr * d``, computed as DeepSpeed does (``-lr * d`` first, then added); ``d`` is overwritten."""
+    weights.add_(direction.mul_(-lr))
 
 
 def local_step(
@@ -57,14 +68,14 @@ def local_step(
     weight_decay: float,
 ) -> None:
     """0/1 Adam phase-2 step: ``w -= lr d`` and ``u -= lr d`` with the same ``-lr d``."""
-    step = adam_direction(exp_avg, exp_avg_sq, weights, eps, weight_decay) * -lr
+    step = adam_direction(exp_avg, exp_avg_sq, weights, eps, weight_decay).mul_(-lr)
     weights.add_(step)
     momentum_accumulator.add_(step)
 
 
 def sync_payload(momentum_accumulator: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float) -> torch.Tensor:
     """What a sync communicates, ``u * (sqrt(v) + eps)``, computed in place in ``u`` (returned)."""
-    return momentum_accumulator.mul_(exp_avg_sq.sqrt() + eps)
+    return momentum_accumulator.mul_(exp_avg_sq.sqrt().add_(eps))
 
 
 def finish_sync(
@@ -81,7 +92,8 @@ def finish_sync(
 
     ``m = -w_bar / lrs`` (the lr-weighted mean momentum since the last sync); the weights restart from
     the last synced point, ``w = w_sync + w_bar / (sqrt(v) + eps)``, which becomes the new synced point;
-    ``u = 0``.
+    ``u = 0``. ``averaged`` may be ``momentum_accumulator`` itself (world size 1): it is read before ``u``
+    is zeroed.
 
     DeepSpeed instead undoes the local steps by subtraction (``w - u``), which lands a few ulps away from
     the synced point on each rank, so its replicas agree only to rounding after a sync. Restarting from
@@ -89,9 +101,14 @@ def finish_sync(
     is within float32 rounding of the weights.
     """
     if lrs > 0.0:
-        exp_avg.zero_().add_(averaged / lrs, alpha=-1)
+        # -(w_bar / lrs) == w_bar / (-lrs) bit for bit (IEEE division is sign-symmetric); adding +0.0 turns
+        # the -0.0 of a zero quotient into +0.0, as DeepSpeed's ``m.zero_().add_(w_bar / lrs, alpha=-1)``
+        # gives, without its temporary.
+        torch.div(averaged, -lrs, out=exp_avg).add_(0.0)
     else:  # lr was 0 since the last sync: there is no momentum to rebuild (DeepSpeed divides by 0)
         exp_avg.zero_()
-    weights.copy_(synced_weights).add_(averaged / (exp_avg_sq.sqrt() + eps))
+    correction = exp_avg_sq.sqrt().add_(eps)
+    torch.div(averaged, correction, out=correction)
+    weights.copy_(synced_weights).add_(correction)
     synced_weights.copy_(weights)
     momentum_accumulator.zero_()

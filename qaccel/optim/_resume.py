@@ -1,6 +1,6 @@
 """Checkpoint state of the 1-bit optimizers: global part, per-rank part, and the checks after a resume.
 
-Design doc section 8. ``state_dict()`` is this rank's complete state plus a ``"qaccel"`` entry with the
+``docs/zero_one_adam.md``, "Checkpoints". ``state_dict()`` is this rank's complete state plus a ``"qaccel"`` entry with the
 schedule, config and world size; under Accelerate it is written by the main process only
 (``optimizer.bin``). What differs between ranks (momentum between syncs, the momentum accumulator, both
 error buffers, master weights and, between 0/1 Adam syncs, the local parameters) is also returned by

@@ -3,10 +3,10 @@
 Each optimizer step has one :class:`StepKind`, decided before the step from the schedule state alone,
 so the DDP communication hook (which runs during the backward of that step) and the optimizer always
 agree on whether the gradients were all-reduced in full precision. This replaces DeepSpeed's
-``engine.enable_backward_allreduce`` toggling (``shared/design/zero_one_adam.md`` section 11).
+``engine.enable_backward_allreduce`` toggling (``docs/accelerate.md``, "The DDP comm hook").
 
 The step rules are DeepSpeed's code semantics (``zoadam.py``, ``adam.py``), which differ from the
-tutorial formulas (design doc section 4): variance intervals double after ``var_update_scaler`` updates,
+tutorial formulas (``docs/zero_one_adam.md``, "Schedules"): variance intervals double after ``var_update_scaler`` updates,
 and in phase 2 a sync happens iff the *global* step is a multiple of the current interval.
 """
 
@@ -29,7 +29,7 @@ __all__ = [
 
 
 class StepKind(str, Enum):
-    """What one optimizer step does and communicates (design doc section 6)."""
+    """What one optimizer step does and communicates (``docs/zero_one_adam.md``, "What travels when")."""
 
     INIT = "init"
     """First step: state is created, the gradient is discarded, nothing is communicated."""

@@ -4,24 +4,31 @@ A DeepSpeed ``"optimizer": {"type": "ZeroOneAdam", "params": {...}}`` block maps
 ``ZeroOneAdamConfig.from_dict(params)``. Keys DeepSpeed accepts but ignores or rejects (``bias_correction``,
 ``eps_inside_sqrt``, ``amsgrad``, ``max_grad_norm``, ``cuda_aware``, ``comm_backend_name``) are fields
 here too, so that such a config loads, but only the value that matches what actually happens is
-accepted; any other value raises (``shared/design/zero_one_adam.md`` section 9, row 8).
+accepted; any other value raises (``docs/zero_one_adam.md``, "DeepSpeed compatibility keys").
 
-Precedence: explicit argument, then ``QACCEL_ZERO_ONE_ADAM_<FIELD>`` / ``QACCEL_ONEBIT_ADAM_<FIELD>``
-environment variables (``from_env``), then the defaults. Only the classmethods read the environment.
+Precedence, the same as QSDP's: explicit argument, then ``QACCEL_ZERO_ONE_ADAM_<FIELD>`` /
+``QACCEL_ONEBIT_ADAM_<FIELD>`` environment variables, then the ``zero_one_adam`` / ``onebit_adam`` section
+of a recipe file (``QACCEL_RECIPE`` or the ``recipe`` argument), then the defaults. Only the classmethods
+(``from_env``, ``resolve``) read the environment or files; ``ZeroOneAdamConfig(...)`` itself is pure.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar
 
 from ..comm import ONEBIT_PADDINGS
 
-__all__ = ["ZeroOneAdamConfig", "OneBitAdamConfig", "GRANULARITIES"]
+__all__ = ["ZeroOneAdamConfig", "OneBitAdamConfig", "GRANULARITIES", "RECIPE_ENV"]
 
 GRANULARITIES = ("tensor", "group")
+RECIPE_ENV = "QACCEL_RECIPE"
+"""Names a recipe file (YAML or JSON) whose ``zero_one_adam`` / ``onebit_adam`` section gives settings."""
 
 
 def _parse_bool(text: str) -> bool:
@@ -60,6 +67,7 @@ class _OneBitConfigBase:
     """Fields shared by both optimizers; see the subclasses for the documentation."""
 
     ENV_PREFIX: ClassVar[str] = ""
+    RECIPE_SECTION: ClassVar[str] = ""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -151,12 +159,25 @@ class _OneBitConfigBase:
         return data
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> _OneBitConfigBase:
-        """Build from ``<ENV_PREFIX><FIELD>`` variables; explicit ``overrides`` win.
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        recipe: str | os.PathLike | Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ) -> _OneBitConfigBase:
+        """Explicit ``overrides``, then ``<ENV_PREFIX><FIELD>`` variables, then a recipe, then the defaults.
+
+        Args:
+            environ: the environment to read (default ``os.environ``).
+            recipe: a YAML/JSON file whose ``RECIPE_SECTION`` section (``zero_one_adam`` or ``onebit_adam``)
+                holds settings, or that section as a mapping; default: the file named by ``QACCEL_RECIPE``,
+                if set. A file without the section contributes nothing.
+            **overrides: field values given in code.
 
         Raises:
-            ValueError: for a variable under the prefix that names no field, or a value that does not parse
-                or validate (the message names the variable).
+            ValueError: for a variable under the prefix or a recipe key that names no field, or a value that
+                does not parse or validate (the message names the variable or the recipe).
         """
         environ = os.environ if environ is None else environ
         types = {f.name: f.type for f in fields(cls)}
@@ -164,6 +185,18 @@ class _OneBitConfigBase:
         if unknown_overrides:
             raise ValueError(f"{cls.__name__}.from_env: unknown arguments {unknown_overrides}")
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        if recipe is None and environ.get(RECIPE_ENV):
+            recipe = environ[RECIPE_ENV]
+        if recipe is not None:
+            section, where = cls._recipe_section(recipe)
+            unknown = sorted(set(section) - set(types))
+            if unknown:
+                raise ValueError(f"{cls.__name__}: unknown keys {unknown} (from {where}); known keys: {', '.join(types)}")
+            values.update(section)
+            if isinstance(values.get("betas"), list):
+                values["betas"] = tuple(values["betas"])
+            sources.update({key: where for key in section})
         for name, text in environ.items():
             if not name.startswith(cls.ENV_PREFIX):
                 continue
@@ -171,20 +204,77 @@ class _OneBitConfigBase:
             if key not in types:
                 known = ", ".join(cls.ENV_PREFIX + k.upper() for k in types)
                 raise ValueError(f"{name}: not a {cls.__name__} field; known variables: {known}")
-            if key in overrides:
-                continue
             try:
                 values[key] = _PARSERS[str(types[key])](text)
             except ValueError as err:
                 raise ValueError(f"{cls.__name__}.{key}={text!r} (from {name}): {err}") from None
+            sources[key] = name
         values.update(overrides)
+        for key in overrides:
+            sources.pop(key, None)
         try:
             return cls(**values)
-        except (ValueError, NotImplementedError) as err:
-            env_keys = sorted(k for k in values if k not in overrides)
-            if env_keys:
-                raise type(err)(f"{err} (environment: {', '.join(cls.ENV_PREFIX + k.upper() for k in env_keys)})") from None
+        except (ValueError, NotImplementedError, TypeError) as err:
+            if sources:
+                where = "; ".join(f"{key} from {source}" for key, source in sorted(sources.items()))
+                raise type(err)(f"{err} (settings not given as arguments: {where})") from None
             raise
+
+    @classmethod
+    def _recipe_section(cls, recipe: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+        """(settings, description of where they came from) of the recipe's ``RECIPE_SECTION``."""
+        if isinstance(recipe, Mapping):
+            return dict(recipe), f"recipe {cls.RECIPE_SECTION} mapping"
+        path = Path(recipe)
+        if not path.is_file():
+            raise ValueError(f"{cls.__name__} recipe {str(path)!r}: no such file")
+        text = path.read_text(encoding="utf-8")
+        import yaml
+
+        try:
+            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as err:
+            raise ValueError(f"{cls.__name__} recipe {str(path)!r}: not valid JSON/YAML ({err})") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.__name__} recipe {str(path)!r}: must be a mapping of sections")
+        section = data.get(cls.RECIPE_SECTION) or {}
+        if not isinstance(section, Mapping):
+            raise ValueError(
+                f"{cls.__name__} recipe {str(path)!r}: the {cls.RECIPE_SECTION!r} section must be a mapping of "
+                f"{cls.__name__} fields, got {type(section).__name__}"
+            )
+        return dict(section), f"recipe {path}"
+
+    @classmethod
+    def resolve(
+        cls,
+        config: _OneBitConfigBase | None = None,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        recipe: str | os.PathLike | Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> _OneBitConfigBase:
+        """The optimizers' config: ``config`` as given (with ``arguments`` replacing fields), or, without a
+        config, ``arguments`` over the environment over the recipe over the defaults (:meth:`from_env`).
+
+        Raises:
+            TypeError: an argument names no field, or ``config`` is not a ``cls``, or both ``config`` and
+                ``recipe`` are given (a config object is complete; build it with ``from_env(recipe=...)``).
+        """
+        arguments = dict(arguments or {})
+        known = cls.field_names()
+        unknown = sorted(set(arguments) - set(known))
+        if unknown:
+            raise TypeError(f"{cls.__name__}: unknown arguments {unknown}; known: {', '.join(known)}")
+        if config is None:
+            return cls.from_env(environ, recipe=recipe, **arguments)
+        if not isinstance(config, cls):
+            raise TypeError(f"config must be a {cls.__name__}, got {type(config).__name__}")
+        if recipe is not None:
+            raise TypeError(f"{cls.__name__}: give config or recipe, not both (a config object is used as given)")
+        return dataclasses.replace(config, **arguments) if arguments else config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +307,9 @@ class ZeroOneAdamConfig(_OneBitConfigBase):
         bias_correction, eps_inside_sqrt, amsgrad, max_grad_norm, cuda_aware, comm_backend_name:
             DeepSpeed compatibility keys; only False / False / False / 0 / False / "nccl" are accepted.
 
-    Environment: ``QACCEL_ZERO_ONE_ADAM_<FIELD>`` (e.g. ``QACCEL_ZERO_ONE_ADAM_VAR_FREEZE_STEP=1000``).
+    Environment and recipe: ``QACCEL_ZERO_ONE_ADAM_<FIELD>`` (e.g. ``QACCEL_ZERO_ONE_ADAM_VAR_FREEZE_STEP=1000``)
+    and the ``zero_one_adam`` section of the recipe named by ``QACCEL_RECIPE``; see :meth:`from_env`.
+    ``ZeroOneAdam(params, lr=...)`` without a config reads both (argument > environment > recipe > default).
 
     Example::
 
@@ -226,6 +318,7 @@ class ZeroOneAdamConfig(_OneBitConfigBase):
     """
 
     ENV_PREFIX: ClassVar[str] = "QACCEL_ZERO_ONE_ADAM_"
+    RECIPE_SECTION: ClassVar[str] = "zero_one_adam"
 
     var_freeze_step: int = 100000
     var_update_scaler: int = 16
@@ -253,10 +346,11 @@ class OneBitAdamConfig(_OneBitConfigBase):
         lr, betas, eps, weight_decay, granularity, padding, gradient_clipping, replica_check_interval and
             the compatibility keys: as in :class:`ZeroOneAdamConfig`.
 
-    Environment: ``QACCEL_ONEBIT_ADAM_<FIELD>``.
+    Environment and recipe: ``QACCEL_ONEBIT_ADAM_<FIELD>`` and the ``onebit_adam`` recipe section.
     """
 
     ENV_PREFIX: ClassVar[str] = "QACCEL_ONEBIT_ADAM_"
+    RECIPE_SECTION: ClassVar[str] = "onebit_adam"
 
     freeze_step: int = 100000
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -14,7 +15,6 @@ from ._functional import adam_direction, descend, update_moments, update_momentu
 from ._schedule import OneBitAdamSchedule, StepKind
 from ._units import Unit, unit_mask, unit_weights, write_back
 from .config import OneBitAdamConfig
-from .zero_one_adam import _resolve_config
 
 __all__ = ["OneBitAdam"]
 
@@ -30,8 +30,10 @@ class OneBitAdam(OneBitOptimizerBase):
 
     Args:
         params: parameters or param groups (``lr``, ``betas``, ``eps``, ``weight_decay``, ``exp_avg_mask``).
-        config: a :class:`OneBitAdamConfig`; keyword arguments (``lr``, ``freeze_step``, ...) build one or
-            override its fields.
+        config: a :class:`OneBitAdamConfig`, used as given (keyword arguments replace its fields). Without
+            one: keyword arguments (``lr``, ``freeze_step``, ...), then ``QACCEL_ONEBIT_ADAM_<FIELD>``
+            variables, then the recipe's ``onebit_adam`` section, then the defaults.
+        recipe: as for :class:`qaccel.optim.ZeroOneAdam` (section ``onebit_adam``).
         process_group, wire_meter: as for :class:`qaccel.optim.ZeroOneAdam`.
 
     DeepSpeed's per-group ``non_freeze`` key (full-precision all-reduce for some groups) is not
@@ -47,11 +49,12 @@ class OneBitAdam(OneBitOptimizerBase):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         config: OneBitAdamConfig | None = None,
         *,
+        recipe: str | os.PathLike | Mapping[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         wire_meter: WireMeter | None = None,
         **kwargs: Any,
     ) -> None:
-        cfg: OneBitAdamConfig = _resolve_config(OneBitAdamConfig, config, kwargs)
+        cfg: OneBitAdamConfig = OneBitAdamConfig.resolve(config, kwargs, recipe=recipe)
         schedule = OneBitAdamSchedule(freeze_step=cfg.freeze_step)
         super().__init__(params, cfg, schedule, process_group=process_group, wire_meter=wire_meter)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -14,27 +14,15 @@ from ._base import OneBitOptimizerBase
 from ._functional import adam_direction, descend, finish_sync, local_step, sync_payload, update_moments, update_momentum
 from ._schedule import Phase, StepKind, ZeroOneAdamSchedule
 from ._units import Unit, unit_mask, unit_params_as_weights, unit_weights, write_back
-from .config import ZeroOneAdamConfig, _OneBitConfigBase
+from .config import ZeroOneAdamConfig
 
 __all__ = ["ZeroOneAdam"]
-
-
-def _resolve_config(cls: type[_OneBitConfigBase], config: _OneBitConfigBase | None, kwargs: dict[str, Any]) -> Any:
-    known = cls.field_names()
-    unknown = sorted(set(kwargs) - set(known))
-    if unknown:
-        raise TypeError(f"{cls.__name__}: unknown arguments {unknown}; known: {', '.join(known)}")
-    if config is None:
-        return cls(**kwargs)
-    if not isinstance(config, cls):
-        raise TypeError(f"config must be a {cls.__name__}, got {type(config).__name__}")
-    return dataclasses.replace(config, **kwargs) if kwargs else config
 
 
 class ZeroOneAdam(OneBitOptimizerBase):
     """0/1 Adam: adaptive variance freezing, 1-bit compressed momentum, local steps (DeepSpeed ``ZeroOneAdam``).
 
-    Step ``t`` (design doc section 3; :class:`qaccel.optim.StepKind`):
+    Step ``t`` (``docs/zero_one_adam.md``, "The algorithm"; :class:`qaccel.optim.StepKind`):
 
     - ``t = 1``: state is created and the gradient discarded (DeepSpeed's initialization step).
     - ``2 <= t <= F+1``: on variance steps (doubling intervals after ``var_update_scaler`` updates) the
@@ -52,9 +40,12 @@ class ZeroOneAdam(OneBitOptimizerBase):
     Args:
         params: parameters or param groups; groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``
             and ``exp_avg_mask``.
-        config: a :class:`ZeroOneAdamConfig`; keyword arguments (DeepSpeed names, e.g. ``lr``,
-            ``var_freeze_step``, ``var_update_scaler``, ``local_step_scaler``, ``local_step_clipper``,
-            ``granularity``) build one or override its fields.
+        config: a :class:`ZeroOneAdamConfig`, used as given (keyword arguments replace its fields). Without
+            one, the settings are the keyword arguments (DeepSpeed names, e.g. ``lr``, ``var_freeze_step``,
+            ``var_update_scaler``, ``local_step_scaler``, ``local_step_clipper``, ``granularity``), then
+            ``QACCEL_ZERO_ONE_ADAM_<FIELD>`` variables, then the recipe, then the defaults.
+        recipe: a YAML/JSON file with a ``zero_one_adam`` section, or that section as a mapping (default:
+            the file named by ``QACCEL_RECIPE``, if set). Not together with ``config``.
         process_group: group to average over (default: the default group if torch.distributed is
             initialized, else world size 1, where the 1-bit all-reduce is the identity).
         wire_meter: where the 1-bit all-reduce records its bytes (default: the process-wide meter).
@@ -74,11 +65,12 @@ class ZeroOneAdam(OneBitOptimizerBase):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         config: ZeroOneAdamConfig | None = None,
         *,
+        recipe: str | os.PathLike | Mapping[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         wire_meter: WireMeter | None = None,
         **kwargs: Any,
     ) -> None:
-        cfg: ZeroOneAdamConfig = _resolve_config(ZeroOneAdamConfig, config, kwargs)
+        cfg: ZeroOneAdamConfig = ZeroOneAdamConfig.resolve(config, kwargs, recipe=recipe)
         schedule = ZeroOneAdamSchedule(
             var_freeze_step=cfg.var_freeze_step,
             var_update_scaler=cfg.var_update_scaler,

@@ -131,7 +131,7 @@ def test_bytes_recorded_equal_bytes_moved_and_formula(allreduce_run, mode):
     else:
         singles = [onebit_wire_bytes([layout]) for layout in layouts]
         per_call = type(singles[0])(*(sum(getattr(w, f) for w in singles) for f in ("sent_bytes", "recv_bytes", "collectives")))
-    # design doc section 5.2: per non-empty tensor, 2 (N-1) M'/(8N) sign bytes + 2 (N-1) 4 scale bytes
+    # docs/zero_one_adam.md, "Wire format", Bytes: per non-empty tensor, 2 (N-1) M'/(8N) sign bytes + 2 (N-1) 4 scale bytes
     formula = sum(2 * (world - 1) * (lay.padded_numel // (8 * world) + 4) for lay in layouts if lay.numel)
     assert per_call.sent_bytes == per_call.recv_bytes == formula
     for rank in range(world):

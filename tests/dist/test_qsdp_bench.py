@@ -21,6 +21,8 @@ def test_bench_rows_relate_as_the_wire_formats_say():
         calls = sum(t["calls"] for t in row["per_kind"].values())
         assert calls == sum(t["calls"] for t in fp32["per_kind"].values())
         assert row["per_kind"]["qsdp.all_gather"]["sent_bytes"] > 0
-        assert row["ratio_vs_baseline"] == round(row["sent_bytes_per_step"] / fp32["sent_bytes_per_step"], 4)
+        # independent bounds: a k-bit code cannot take less than k/32 of fp32's bytes, and must beat bf16's 1/2
+        bits = 8 if name == "QSDP W8G8" else 4
+        assert bits / 32 < row["ratio_vs_baseline"] < 0.5
         assert len(set(row["per_rank_sent_bytes"])) == 1  # equal payloads on every rank
     assert rows["QSDP W4G4"]["sent_bytes_per_step"] < rows["QSDP W8G8"]["sent_bytes_per_step"] < bf16["sent_bytes_per_step"]

@@ -6,12 +6,16 @@ of two, where DeepSpeed's padding multiple N * lcm(N, 8) = 72 differs from the m
   sqrt(mean_r ||g_r||^2) computed here from each rank's own gradient;
 - bf16 parameters: replicas bit-identical after every non-local step;
 - ``padding`` changes the error-buffer layout and the result;
-- ``replica_check_interval`` catches one rank drifting by one ulp, on every rank.
+- ``replica_check_interval`` catches one rank drifting by one ulp, on every rank;
+- no host read of a tensor value (``.item()``, ``float(t)``, ``bool(t)``: a stream stall on CUDA) in the
+  hook or the step, with clipping and the overflow agreement on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+from unittest import mock
 
 import pytest
 import torch
@@ -129,9 +133,41 @@ def _replica_check(rank):
     return out
 
 
+@contextlib.contextmanager
+def _host_reads_raise():
+    """Make every Python-level read of a tensor value raise (the C++ reducer and gloo are unaffected)."""
+
+    def host_read(*args, **kwargs):
+        raise RuntimeError("host read of a tensor value")
+
+    names = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(torch.Tensor, name, host_read))
+        yield
+
+
+def _no_host_sync(rank):
+    net, ddp, opt, _ = _make(rank, gradient_clipping=1e-3)
+    register_ddp_comm_hook(ddp, opt, agree_on_overflow=True)
+    out = {"kinds": [], "error": None}
+    for step in range(1, 12):
+        out["kinds"].append(opt.schedule.next_kind().value)
+        opt.zero_grad()
+        loss = loss_of(ddp, batch(step, rank))
+        try:
+            with _host_reads_raise():
+                loss.backward()
+                opt.step()
+        except RuntimeError as err:
+            out["error"] = f"step {step}: {err}"
+            break
+    return out
+
+
 def _worker(rank, world):
     result = {"overflow": _overflow(rank), "clipping": _clipping(rank), "bf16_padding": _bf16_and_padding(rank),
-              "replica_check": _replica_check(rank)}  # fmt: skip
+              "replica_check": _replica_check(rank), "no_host_sync": _no_host_sync(rank)}  # fmt: skip
     buffer = io.BytesIO()
     torch.save(result, buffer)
     return buffer.getvalue()
@@ -187,3 +223,10 @@ def test_replica_check_catches_one_ulp_of_drift_on_every_rank(world3):
         out = result["replica_check"]
         assert out["step"] == 8 and out["checks"] == 4, (rank, out)  # steps 2, 4, 6 passed; step 8 caught it
         assert "ranks [1] of 3" in out["error"] and "at step 8" in out["error"]
+
+
+def test_hook_and_step_never_read_a_tensor_value_on_the_host(world3):
+    for rank, result in enumerate(world3):
+        out = result["no_host_sync"]
+        assert out["error"] is None, (rank, out["error"])
+        assert set(out["kinds"]) == {"init", "full", "onebit_gradient", "local", "sync"}, out["kinds"]

@@ -146,7 +146,7 @@ def parity_run(request, tmp_path_factory):
 
 
 def _expected_kinds(hyper: dict) -> list[str]:
-    """Closed forms of design doc section 4, written independently of qaccel's schedule."""
+    """Closed forms of docs/zero_one_adam.md ("Schedules"), written independently of qaccel's schedule."""
     F, kappa, alpha, H = (hyper[k] for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"))
     variance_steps, t, j = set(), 2, 0
     while t <= F + 1:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "zoadam_example.py"
 
@@ -22,7 +24,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_torchrun_two_cpu_processes_with_deepspeed_config(tmp_path):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One torchrun launch shared by the tests below (about 20 s on 2 cores)."""
+    tmp_path = tmp_path_factory.mktemp("zoadam_launch")
     ds_config = tmp_path / "ds_config.json"
     ds_config.write_text(json.dumps({"optimizer": {"type": "ZeroOneAdam", "params": {
         "lr": 3e-4, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": 6,
@@ -36,7 +41,11 @@ def test_torchrun_two_cpu_processes_with_deepspeed_config(tmp_path):
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_torchrun_two_cpu_processes_with_deepspeed_config(launched):
+    result = launched
     assert result["world_size"] == 2 and result["distributed_type"] == "DistributedType.MULTI_CPU"
     assert result["optimizer"] == "ZeroOneAdam"
     assert result["config"]["var_freeze_step"] == 6 and result["config"]["padding"] == "minimal"
@@ -45,4 +54,9 @@ def test_torchrun_two_cpu_processes_with_deepspeed_config(tmp_path):
         assert (wire.get("comm/ddp.all_reduce/sent_bytes", 0) > 0) == (kind == "full"), (kind, wire)
         assert (wire.get("comm/onebit.all_to_all/sent_bytes", 0) > 0) == (kind in ("onebit_gradient", "sync")), (kind, wire)
         assert (wire["comm/sent_bytes"] == 0) == (kind in ("init", "local"))
-    assert result["losses"][-1] < result["losses"][0]
+
+
+def test_loss_falls_over_24_steps_smoke(launched):
+    """Smoke only: 24 steps of a tiny model show that training moves, not that it converges as it should
+    (``tests/dist/test_zoadam_convergence.py`` compares with AdamW; the parity tests check the maths)."""
+    assert launched["losses"][-1] < launched["losses"][0]

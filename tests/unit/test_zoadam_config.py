@@ -100,3 +100,88 @@ def test_optimizer_accepts_config_or_keywords():
     assert OneBitAdam([p], freeze_step=4).schedule.freeze_step == 4
     with pytest.raises(TypeError, match="config must be a ZeroOneAdamConfig"):
         ZeroOneAdam([p], OneBitAdamConfig())
+
+
+# -- settings without code changes: argument, then environment, then recipe, then default (as QSDP) ----------
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(__import__("os").environ):
+        if name.startswith(("QACCEL_ZERO_ONE_ADAM_", "QACCEL_ONEBIT_ADAM_", "QACCEL_RECIPE")):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def _param():
+    import torch
+
+    return torch.nn.Parameter(torch.zeros(3))
+
+
+def test_optimizer_reads_the_environment_and_arguments_win(clean_env):
+    clean_env.setenv("QACCEL_ZERO_ONE_ADAM_VAR_FREEZE_STEP", "7")
+    clean_env.setenv("QACCEL_ZERO_ONE_ADAM_PADDING", "minimal")
+    opt = ZeroOneAdam([_param()])
+    assert (opt.config.var_freeze_step, opt.config.padding) == (7, "minimal")
+    assert opt.schedule.var_freeze_step == 7  # the schedule follows the resolved config
+    assert ZeroOneAdam([_param()], var_freeze_step=3).config.var_freeze_step == 3
+    clean_env.setenv("QACCEL_ONEBIT_ADAM_FREEZE_STEP", "11")
+    assert OneBitAdam([_param()]).schedule.freeze_step == 11
+    assert OneBitAdam([_param()], freeze_step=4).schedule.freeze_step == 4
+
+
+def test_optimizer_rejects_unknown_or_bad_environment(clean_env):
+    clean_env.setenv("QACCEL_ZERO_ONE_ADAM_VAR_FREEZ", "7")
+    with pytest.raises(ValueError, match="QACCEL_ZERO_ONE_ADAM_VAR_FREEZ: not a ZeroOneAdamConfig field"):
+        ZeroOneAdam([_param()])
+    clean_env.delenv("QACCEL_ZERO_ONE_ADAM_VAR_FREEZ")
+    clean_env.setenv("QACCEL_ONEBIT_ADAM_LR", "-1")
+    with pytest.raises(ValueError, match=r"lr=-1\.0.*QACCEL_ONEBIT_ADAM_LR"):
+        OneBitAdam([_param()])
+
+
+def test_a_config_object_is_used_as_given(clean_env):
+    clean_env.setenv("QACCEL_ZERO_ONE_ADAM_VAR_FREEZE_STEP", "7")
+    cfg = ZeroOneAdamConfig(var_freeze_step=3)
+    assert ZeroOneAdam([_param()], cfg).config is cfg
+    with pytest.raises(TypeError, match="give config or recipe, not both"):
+        ZeroOneAdam([_param()], cfg, recipe={"var_freeze_step": 4})
+
+
+def test_recipe_sits_between_environment_and_defaults(clean_env, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "qsdp: {weight_bits: 4}\n"
+        "zero_one_adam: {var_freeze_step: 9, local_step_scaler: 5, betas: [0.8, 0.99]}\n"
+        "onebit_adam: {freeze_step: 13}\n"
+    )
+    clean_env.setenv("QACCEL_RECIPE", str(recipe))
+    cfg = ZeroOneAdam([_param()]).config
+    assert (cfg.var_freeze_step, cfg.local_step_scaler, cfg.betas) == (9, 5, (0.8, 0.99))
+    assert cfg.local_step_clipper == 16  # not in the recipe: the default
+    clean_env.setenv("QACCEL_ZERO_ONE_ADAM_LOCAL_STEP_SCALER", "6")  # environment beats the recipe
+    cfg = ZeroOneAdam([_param()]).config
+    assert (cfg.var_freeze_step, cfg.local_step_scaler) == (9, 6)
+    assert ZeroOneAdam([_param()], local_step_scaler=2).config.local_step_scaler == 2  # argument beats both
+    assert OneBitAdam([_param()]).config.freeze_step == 13
+    # an explicit recipe (file or mapping) replaces QACCEL_RECIPE
+    assert ZeroOneAdam([_param()], recipe={"var_freeze_step": 4}).config.var_freeze_step == 4
+    other = tmp_path / "other.json"
+    other.write_text('{"zero_one_adam": {"var_freeze_step": 21}}')
+    assert ZeroOneAdamConfig.from_env(recipe=other).var_freeze_step == 21
+
+
+def test_recipe_errors_name_the_file_and_key(clean_env, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("zero_one_adam: {var_freez_step: 9}\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['var_freez_step'\].*bad\.yaml"):
+        ZeroOneAdam([_param()], recipe=bad)
+    bad.write_text("zero_one_adam: {var_update_scaler: 0}\n")
+    with pytest.raises(ValueError, match=r"var_update_scaler=0.*recipe .*bad\.yaml"):
+        ZeroOneAdam([_param()], recipe=bad)
+    with pytest.raises(ValueError, match="no such file"):
+        ZeroOneAdam([_param()], recipe=tmp_path / "missing.yaml")
+    bad.write_text("zero_one_adam: [1, 2]\n")
+    with pytest.raises(ValueError, match="'zero_one_adam' section must be a mapping"):
+        ZeroOneAdam([_param()], recipe=bad)

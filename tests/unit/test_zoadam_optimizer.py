@@ -1,6 +1,6 @@
 """ZeroOneAdam / OneBitAdam in one process (world size 1: the 1-bit all-reduce is the identity).
 
-Oracles: straightforward reference loops of the algorithm written here (design doc section 3 with
+Oracles: straightforward reference loops of the algorithm written here (``docs/zero_one_adam.md``, "The algorithm", with
 C = identity), torch's own clip_grad_norm_, and uninterrupted runs for the checkpoint round trip.
 """
 
@@ -32,7 +32,7 @@ def train(optimizer_cls, steps=24, dtype=torch.float32, net=None, start=1, optim
 
 
 def reference_zero_one_adam(steps, lr, betas, eps, wd_by_group, F, kappa, alpha, H):
-    """0/1 Adam for one worker written from the design doc: C is the identity, so m is always updated."""
+    """0/1 Adam for one worker written from the algorithm table of docs/zero_one_adam.md: C is the identity, so m is always updated."""
     net = make_net()
     groups = [[p for p in g["params"]] for g in param_group_dicts(net, 0.0, mask=False)]
     params = [p for g in groups for p in g]
@@ -243,3 +243,22 @@ def test_frozen_empty_and_gradless_parameters():
     assert torch.equal(frozen, torch.ones(4)) and frozen not in opt.state
     assert torch.equal(unused, torch.ones(5))  # never had a gradient: skipped, as torch optimizers do
     assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+@pytest.mark.parametrize("cls, kwargs", [(ZeroOneAdam, HYPER), (OneBitAdam, dict(lr=5e-3, freeze_step=3))])
+@pytest.mark.parametrize("granularity", ["tensor", "group"])
+def test_step_never_reads_a_tensor_value_on_the_host(cls, kwargs, granularity):
+    """A host read (``.item()``, ``float(t)``, ``bool(t)``) stalls a CUDA stream every step. Meta tensors have
+    no values, so any such read raises here; every step kind runs, with clipping on."""
+    params = [torch.nn.Parameter(torch.empty(5, 3, device="meta")), torch.nn.Parameter(torch.empty(7, device="meta"))]
+    opt = cls(params, gradient_clipping=1.0, granularity=granularity, **kwargs)
+    kinds = set()
+    for _ in range(12):
+        kinds.add(opt.schedule.next_kind())
+        for p in params:
+            p.grad = torch.empty_like(p)
+        opt.step()
+    expected = {StepKind.INIT, StepKind.FULL}
+    expected |= {StepKind.ONEBIT_GRADIENT, StepKind.LOCAL, StepKind.SYNC} if cls is ZeroOneAdam else {StepKind.ONEBIT_MOMENTUM}
+    assert kinds == expected
+    assert opt.state[params[0]]["exp_avg"].device.type == "meta"

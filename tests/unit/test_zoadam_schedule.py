@@ -1,4 +1,4 @@
-"""Schedules of 0/1 Adam and 1-bit Adam against the closed forms of ``shared/design/zero_one_adam.md`` section 4.
+"""Schedules of 0/1 Adam and 1-bit Adam against the closed forms of ``docs/zero_one_adam.md``, "Schedules".
 
 The closed forms are re-derived here from the formulas, not from qaccel's state machine:
 variance updates at t_0 = 2 and t_j = I_j (floor(t_{j-1} / I_j) + 1) with I_j = 2^floor(j / kappa), for
@@ -51,7 +51,7 @@ def test_zero_one_adam_steps_follow_closed_form(F, kappa, alpha, H):
 
 
 def test_kappa16_variance_steps_table():
-    """Design doc table: kappa = 16 gives variance updates at 2..17, 18..48 step 2, 52..112 step 4, 120..240 step 8."""
+    """docs/zero_one_adam.md, "Schedules": kappa = 16 gives variance updates at 2..17, 18..48 step 2, 52..112 step 4, 120..240 step 8."""
     kinds = run_kinds(ZeroOneAdamSchedule(100000, 16, 32678, 16), 500)
     variance = [t for t, kind in enumerate(kinds, start=1) if kind == "full"]
     expected = list(range(2, 18)) + list(range(18, 49, 2)) + list(range(52, 113, 4)) + list(range(120, 241, 8))
@@ -71,7 +71,7 @@ def test_f12500_has_153_variance_updates_ending_at_12288():
     ids=["alpha32678", "alpha1000"],
 )
 def test_round_count_table_T152000(alpha, syncs, silent):
-    """Design doc section 4 table: T = 152,000, F = 12,500, kappa = H = 16. The init step's full-precision
+    """docs/zero_one_adam.md, "Schedules", round-count table: T = 152,000, F = 12,500, kappa = H = 16. The init step's full-precision
     round of DeepSpeed is skipped by qaccel (its gradient is discarded), hence 153 + init instead of 154."""
     counts = count_step_kinds(lambda: ZeroOneAdamSchedule(12500, 16, alpha, 16), 152000)
     assert counts[StepKind.INIT] == 1

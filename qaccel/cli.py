@@ -1,4 +1,4 @@
-"""The ``qaccel`` command line: ``env``, ``selfcheck``, ``bench {quant,comm}``.
+"""The ``qaccel`` command line: ``env``, ``selfcheck``, ``bench {quant,comm}``, ``train`` and more.
 
 Results go to stdout as JSON (stable keys, ``schema_version``), progress and logs to stderr.
 Exit codes: 0 success, 1 failure, 2 usage error.
@@ -10,11 +10,11 @@ import argparse
 import logging
 import sys
 
-from .commands import bench, env, selfcheck
+from .commands import bench, env, export, push, recipes, selfcheck, train
 
 __all__ = ["main", "build_parser"]
 
-_COMMANDS = (env, selfcheck, bench)
+_COMMANDS = (env, selfcheck, bench, train, export, push, recipes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,9 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "accepts_extra_args", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # argparse exits 2 on usage errors and 0 on --help
         return int(exc.code or 0)
+    args.extra_args = extra
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
     return args.func(args)
 

@@ -7,7 +7,7 @@ recipe file; FSDP settings from the Accelerate config (``FSDP_*``) or the defaul
 Run it on 2 CPU processes (no GPU needed)::
 
     torchrun --nproc_per_node 2 scripts/qsdp_example.py --steps 30
-    accelerate launch --config_file launch_configs/fsdp2_cpu_2proc.yaml scripts/qsdp_example.py
+    accelerate launch --config_file launch_configs/cpu_2proc_qsdp.yaml scripts/qsdp_example.py
     QACCEL_QSDP_WEIGHT_BITS=4 QACCEL_QSDP_GRAD_BITS=4 torchrun --nproc_per_node 2 scripts/qsdp_example.py
     torchrun --nproc_per_node 2 scripts/qsdp_example.py --qaccel_config recipe.yaml
 

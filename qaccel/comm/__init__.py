@@ -1,6 +1,7 @@
 """Collectives built on the codecs, and exact wire-byte accounting."""
 
 from ._accounting import CollectiveTally, WireMeter, default_meter, ring_all_gather_bytes, ring_all_reduce_bytes
+from ._ddp_hooks import metered_allreduce_hook
 from ._onebit import (
     ONEBIT_PADDINGS,
     OneBitLayout,
@@ -42,4 +43,5 @@ __all__ = [
     "onebit_layout",
     "onebit_wire_bytes",
     "ring_all_reduce_bytes",
+    "metered_allreduce_hook",
 ]

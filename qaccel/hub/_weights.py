@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .._safe_pickle import check_dcp_metadata
+
 __all__ = ["WeightSource", "SavedWeights", "find_weights"]
 
 DCP_DIR = "pytorch_model_fsdp_0"
@@ -76,6 +78,7 @@ def _check_dcp(folder: Path):
 
     if not (folder / ".metadata").is_file():
         raise ValueError(f"{folder}: no .metadata index; the sharded checkpoint is incomplete")
+    check_dcp_metadata(folder)  # torch unpickles .metadata without restrictions: vet it first
     reader = FileSystemReader(str(folder))
     try:
         metadata = reader.read_metadata()

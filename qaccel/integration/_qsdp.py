@@ -17,9 +17,11 @@ Order (``docs/qsdp.md``, "Accelerate"):
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 from dataclasses import KW_ONLY, InitVar, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +35,8 @@ from .cpu_fsdp import enable_fsdp2_on_cpu
 __all__ = ["QSDPPlugin", "before_init", "after_init", "before_prepare", "after_prepare"]
 
 logger = logging.getLogger(__name__)
+
+QSDP_STATE_FILE = "qaccel_qsdp.json"
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -213,7 +217,35 @@ def after_prepare(accelerator: Any, objects: list) -> None:
     optimizers = [obj.optimizer if isinstance(obj, AcceleratedOptimizer) else obj for obj in objects if isinstance(obj, (AcceleratedOptimizer, torch.optim.Optimizer))]
     handle: QSDPHandle = install_qsdp(models[0], plugin.qsdp_config, optimizers=optimizers, meter=accelerator.wire_meter)
     accelerator.qsdp = handle
-    # The step counter drives the seeds; save_state/load_state carry it for exact resumes.
-    accelerator.register_for_checkpointing(handle)
+    # The seed counters drive the rounding noise; save_state/load_state carry them for exact
+    # resumes. As JSON through the state hooks rather than register_for_checkpointing, whose
+    # pickle Accelerate loads with weights_only=False: nothing is unpickled unsafely on resume.
+    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: accelerator.is_main_process and write_qsdp_state(handle, output_dir))
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: read_qsdp_state(handle, input_dir))
     if accelerator.is_main_process:
         logger.info("QSDP config: %s; units: %s", plugin.qsdp_config.to_dict(), handle.describe())
+
+
+def write_qsdp_state(handle: QSDPHandle, output_dir: str | os.PathLike) -> None:
+    """Write ``qaccel_qsdp.json`` (seed counters, world size, config) atomically; main process only."""
+    path = Path(output_dir) / QSDP_STATE_FILE
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(handle.state_dict(), indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_qsdp_state(handle: QSDPHandle, input_dir: str | os.PathLike) -> bool:
+    """Restore the seed counters from ``input_dir``; False (and a warning) when it has none.
+
+    Raises:
+        ValueError: the checkpoint was saved with other QSDP settings (naming each one).
+    """
+    path = Path(input_dir) / QSDP_STATE_FILE
+    if not path.exists():
+        logger.warning(
+            "QSDP: %s has no %s (saved without QSDP?): the rounding noise restarts from step 0; training is "
+            "unaffected otherwise", input_dir, QSDP_STATE_FILE,
+        )  # fmt: skip
+        return False
+    handle.load_state_dict(json.loads(path.read_text()))
+    return True

@@ -13,19 +13,17 @@ the RNG states itself. What ``qaccel.Accelerator`` would have added to ``save_st
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from . import _zero_one_adam
+from ._qsdp import QSDP_STATE_FILE, read_qsdp_state, write_qsdp_state
 
 __all__ = ["QSDP_STATE_FILE", "save_qaccel_state", "stage_onebit_state", "load_qsdp_state"]
 
 logger = logging.getLogger(__name__)
-
-QSDP_STATE_FILE = "qaccel_qsdp.json"
 
 
 def save_qaccel_state(accelerator: Any, output_dir: str | os.PathLike) -> None:
@@ -34,10 +32,7 @@ def save_qaccel_state(accelerator: Any, output_dir: str | os.PathLike) -> None:
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     handle = getattr(accelerator, "qsdp", None)
     if handle is not None and accelerator.is_main_process:
-        path = Path(output_dir) / QSDP_STATE_FILE
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(handle.state_dict(), indent=2, sort_keys=True))
-        os.replace(tmp, path)
+        write_qsdp_state(handle, output_dir)
     _zero_one_adam._save_hook(accelerator)([], [], str(output_dir))
 
 
@@ -51,11 +46,4 @@ def load_qsdp_state(accelerator: Any, checkpoint: str | os.PathLike) -> None:
     handle = getattr(accelerator, "qsdp", None)
     if handle is None:
         return
-    path = Path(checkpoint) / QSDP_STATE_FILE
-    if not path.exists():
-        logger.warning(
-            "QSDP: %s has no %s (saved without QSDP?): the rounding noise restarts from step 0; training is "
-            "unaffected otherwise", checkpoint, QSDP_STATE_FILE,
-        )  # fmt: skip
-        return
-    handle.load_state_dict(json.loads(path.read_text()))
+    read_qsdp_state(handle, checkpoint)

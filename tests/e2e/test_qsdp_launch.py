@@ -16,7 +16,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "qsdp_example.py"
-CONFIG = REPO / "launch_configs" / "fsdp2_cpu_2proc.yaml"
+CONFIG = REPO / "launch_configs" / "cpu_2proc_qsdp.yaml"
 
 
 def free_port() -> int:

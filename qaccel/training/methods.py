@@ -1,0 +1,213 @@
+"""From a method name to the Accelerator, plugin and optimizer that run it.
+
+``scripts/train.py`` picks its distributed set-up from the method alone, so plain ``torchrun``
+works without a launch file: QSDP needs FSDP2, the 1-bit optimizers need DDP (their comm hook
+replaces DDP's all-reduce), and ``none`` runs the same sharding as the recipe's own method, so a
+stock run is the like-for-like baseline of the compressed one. A launch file that asks for the
+other kind of parallelism is refused before any process group work starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ..fsdp import QSDPConfig
+from ..fsdp.config import ENV_PREFIX as QSDP_ENV_PREFIX
+from ..optim import OneBitAdam, ZeroOneAdam
+from ..optim.config import OneBitAdamConfig, ZeroOneAdamConfig
+from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S, process_group_timeout
+
+__all__ = [
+    "METHODS",
+    "MethodPlan",
+    "plan_method",
+    "build_accelerator",
+    "build_optimizer",
+    "decay_param_groups",
+    "meter_stock_ddp",
+]
+
+METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "none")
+_ONEBIT_CONFIGS = {"zero_one_adam": ZeroOneAdamConfig, "onebit_adam": OneBitAdamConfig}
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """What one run does: the method, its parallelism and its fully resolved settings."""
+
+    method: str  # one of METHODS
+    parallelism: str  # "fsdp2" or "ddp"
+    qsdp: QSDPConfig | None  # the QSDP settings (both paths off for a stock FSDP2 run)
+    onebit: ZeroOneAdamConfig | OneBitAdamConfig | None  # the 1-bit optimizer's settings
+
+    def config_dict(self) -> dict[str, Any]:
+        """The method's full config as JSON-able values (recorded in checkpoints and metrics)."""
+        if self.method == "qsdp":
+            return self.qsdp.to_dict()
+        if self.onebit is not None:
+            return self.onebit.to_dict()
+        return {"parallelism": self.parallelism}
+
+
+def _launch_parallelism() -> str | None:
+    """The parallelism an ``accelerate launch`` config asked for, if any (FSDP is exported as env)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp2"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    return None
+
+
+def plan_method(
+    method: str,
+    *,
+    recipe_method: str,
+    recipe_qsdp: dict[str, Any],
+    flag_qsdp: dict[str, Any],
+    recipe_onebit: dict[str, Any],
+    flag_onebit: dict[str, Any],
+    learning_rate: float,
+    weight_decay: float,
+) -> MethodPlan:
+    """Resolve and validate the method's settings; refuse launches that contradict it.
+
+    Args:
+        method: the run's method (flag or recipe).
+        recipe_method: the recipe's own method; decides the parallelism of ``none``.
+        recipe_qsdp, flag_qsdp: ``QSDPConfig`` fields from the recipe and from ``--qsdp_*`` flags.
+        recipe_onebit, flag_onebit: ``ZeroOneAdamConfig`` / ``OneBitAdamConfig`` fields from the
+            recipe and from ``--zoadam_*`` flags; ``lr`` and ``weight_decay`` default to the
+            training settings.
+
+    Precedence, as everywhere in qaccel: flag (argument), then ``QACCEL_*`` environment, then
+    the recipe, then the default.
+
+    Raises:
+        ValueError: an unknown method, a bad setting (naming it), or a launch that asks for FSDP
+            with a 1-bit optimizer / DeepSpeed with any qaccel method.
+    """
+    if method not in METHODS:
+        raise ValueError(f"--method {method!r}: unknown; choose one of {', '.join(METHODS)}")
+    if recipe_method not in METHODS:
+        raise ValueError(f"recipe method {recipe_method!r}: unknown; choose one of {', '.join(METHODS)}")
+    launch = _launch_parallelism()
+    if launch == "deepspeed":
+        raise ValueError(
+            "the launch config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true); qaccel methods run on "
+            "FSDP2 (qsdp) or DDP (zero_one_adam, onebit_adam): use launch_configs/cpu_2proc_qsdp.yaml or cpu_2proc_ddp.yaml"
+        )
+    if method == "qsdp" or (method == "none" and recipe_method == "qsdp") or (method == "none" and launch == "fsdp2"):
+        parallelism = "fsdp2"
+    else:
+        parallelism = "ddp"
+    if parallelism == "ddp" and launch == "fsdp2":
+        raise ValueError(
+            f"--method {method}: runs on DDP (its communication hook replaces DDP's all-reduce), but the launch "
+            "config asks for FSDP (distributed_type: FSDP); launch with launch_configs/cpu_2proc_ddp.yaml "
+            "(or gpu_1node_8_ddp.yaml), or plain torchrun"
+        )
+    qsdp = onebit = None
+    if parallelism == "fsdp2":
+        known = {f.name for f in fields(QSDPConfig)}
+        _refuse_unknown("qsdp", {**recipe_qsdp, **flag_qsdp}, known)
+        settings = {**_below_env(recipe_qsdp, QSDP_ENV_PREFIX), **flag_qsdp}
+        if method == "none":  # stock FSDP2, its traffic still counted by pass-through comms
+            settings.update(weight_bits=None, grad_bits=None)
+        qsdp = QSDPConfig.from_env(**settings)
+    if method in _ONEBIT_CONFIGS:
+        cls = _ONEBIT_CONFIGS[method]
+        _refuse_unknown(method, {**recipe_onebit, **flag_onebit}, set(cls.field_names()))
+        base = {"lr": learning_rate, "weight_decay": weight_decay, **recipe_onebit}
+        onebit = cls.from_env(**{**_below_env(base, cls.ENV_PREFIX), **flag_onebit})
+    return MethodPlan(method=method, parallelism=parallelism, qsdp=qsdp, onebit=onebit)
+
+
+def _refuse_unknown(section: str, settings: dict[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"{section} settings: unknown keys {unknown}; known: {', '.join(sorted(known))}")
+
+
+def _below_env(settings: dict[str, Any], env_prefix: str) -> dict[str, Any]:
+    """Drop the recipe values that a ``QACCEL_*`` variable sets: the environment outranks a recipe."""
+    return {k: v for k, v in settings.items() if env_prefix + k.upper() not in os.environ}
+
+
+def build_accelerator(
+    plan: MethodPlan,
+    *,
+    layer_cls: str | None,
+    mixed_precision: str,
+    gradient_accumulation_steps: int,
+    report_to: str | None,
+    project_dir: str,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> Any:
+    """A ``qaccel.Accelerator`` for ``plan``: FSDP2 with a ``QSDPPlugin``, or DDP.
+
+    ``collective_timeout_s`` bounds every collective of the process group, so a hung peer turns into
+    an error on the others instead of a silent wait (see :mod:`qaccel.training.faults`).
+    """
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
+
+    from ..integration import Accelerator, QSDPPlugin
+
+    timeout = process_group_timeout(collective_timeout_s)  # checked before any process group exists
+
+    kwargs: dict[str, Any] = dict(
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        log_with=report_to,
+        project_config=ProjectConfiguration(project_dir=project_dir, logging_dir=os.path.join(project_dir, "logs")),
+        # A sampler seeded per epoch: the data order is a function of (seed, epoch), so a resumed
+        # run can find its place by skipping batches.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+    )
+    if plan.parallelism == "fsdp2":
+        fsdp: dict[str, Any] = {"state_dict_type": "SHARDED_STATE_DICT"}
+        if "FSDP_AUTO_WRAP_POLICY" not in os.environ:
+            fsdp["auto_wrap_policy"] = "transformer_based_wrap"
+        if layer_cls and "FSDP_TRANSFORMER_CLS_TO_WRAP" not in os.environ:
+            fsdp["auto_wrap_policy"] = "transformer_based_wrap"
+            fsdp["transformer_cls_names_to_wrap"] = [layer_cls]
+        kwargs["fsdp_plugin"] = QSDPPlugin(qsdp_config=plan.qsdp, **fsdp)
+    return Accelerator(**kwargs)
+
+
+def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Matrices decay; biases and norm weights do not (the usual transformer rule)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def build_optimizer(plan: MethodPlan, model: torch.nn.Module, *, learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW for ``qsdp`` and ``none``; ``ZeroOneAdam`` / ``OneBitAdam`` with the plan's settings."""
+    groups = decay_param_groups(model, weight_decay)
+    if plan.method == "zero_one_adam":
+        return ZeroOneAdam(groups, config=plan.onebit)
+    if plan.method == "onebit_adam":
+        return OneBitAdam(groups, config=plan.onebit)
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8)
+
+
+def meter_stock_ddp(accelerator: Any, model: torch.nn.Module, plan: MethodPlan) -> bool:
+    """Count a stock DDP run's all-reduce bytes in the wire meter (numerics unchanged).
+
+    Only for ``none`` on DDP: the 1-bit optimizers install their own hook, and FSDP2 runs count
+    through QSDP's pass-through comms. Returns whether a hook was installed (not with one process,
+    where Accelerate does not wrap the model in DDP and nothing is communicated).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..comm import metered_allreduce_hook
+
+    if plan.method != "none" or plan.parallelism != "ddp" or not isinstance(model, DistributedDataParallel):
+        return False
+    model.register_comm_hook(None, metered_allreduce_hook(accelerator.wire_meter))
+    return True

@@ -1,0 +1,129 @@
+"""End to end: scripts/train.py on 2 CPU processes, through `accelerate launch` and plain `torchrun`.
+
+Each run is a real job: the recipe's model, tokenizer and offline data, the real method, real
+checkpoints. The checks use independent references: the stock run's bytes from the same job
+with compression off, the ring all-reduce formula from the model's parameter count, and an
+uninterrupted run for resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "train.py"
+QSDP_CONFIG = REPO / "launch_configs" / "cpu_2proc_qsdp.yaml"
+DDP_CONFIG = REPO / "launch_configs" / "cpu_2proc_ddp.yaml"
+REQUIRED = {"step", "loss", "learning_rate", "wire_bytes", "wire_bytes_total", "step_seconds"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def env() -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_QSDP_", "QACCEL_ZERO", "QACCEL_ONEBIT", "FSDP_", "ACCELERATE_"))}
+    clean.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return clean
+
+
+def launch(config: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", str(free_port()), str(SCRIPT), *flags]
+    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def torchrun(*flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(SCRIPT), *flags]
+    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_gpt2_tiny_qsdp_and_stock_fsdp2_through_accelerate_launch(tmp_path):
+    common = ["--recipe", "gpt2-tiny", "--max_steps", "6", "--eval_steps", "3", "--save_steps", "3"]
+    launch(QSDP_CONFIG, *common, "--output_dir", str(tmp_path / "qsdp"), "--qsdp_weight_bits", "8", "--qsdp_grad_bits", "8")
+    launch(QSDP_CONFIG, *common, "--output_dir", str(tmp_path / "stock"), "--method", "none")
+    qsdp, stock = metrics(tmp_path / "qsdp"), metrics(tmp_path / "stock")
+    for rows in (qsdp, stock):
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+        assert all(REQUIRED <= set(r) for r in rows)
+        assert [r["step"] for r in rows if "eval_perplexity" in r] == [3, 6]
+        assert all(r["wire_bytes"] > 0 for r in rows)
+        assert rows[-1]["wire_bytes_total"] == sum(r["wire_bytes"] for r in rows)
+    # Same job, compression off vs W8G8: the big units travel at about 1/4 of fp32.
+    ratio = qsdp[-1]["wire_bytes_total"] / stock[-1]["wire_bytes_total"]
+    assert 0.2 < ratio < 0.45, ratio
+    # Same seed and data: W8G8 noise moves the losses only a little (smoke, 6 steps).
+    assert abs(qsdp[-1]["eval_loss"] - stock[-1]["eval_loss"]) < 0.05 * stock[-1]["eval_loss"]
+    for run in ("qsdp", "stock"):
+        for step in (3, 6):
+            ckpt = tmp_path / run / f"checkpoint-{step}"
+            state = json.loads((ckpt / "qaccel_state.json").read_text())
+            assert state["step"] == step and state["world_size"] == 2
+            assert state["method"] == ("qsdp" if run == "qsdp" else "none")
+            assert (ckpt / "pytorch_model_fsdp_0").is_dir() and (ckpt / "manifest.json").is_file()
+
+
+def test_resume_from_latest_matches_an_uninterrupted_run_bit_for_bit(tmp_path):
+    common = ["--recipe", "gpt2-tiny", "--eval_steps", "0", "--save_steps", "3"]
+    launch(QSDP_CONFIG, *common, "--max_steps", "6", "--output_dir", str(tmp_path / "straight"))
+    launch(QSDP_CONFIG, *common, "--max_steps", "3", "--output_dir", str(tmp_path / "resumed"))
+    launch(QSDP_CONFIG, *common, "--max_steps", "6", "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest")
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    assert [r["wire_bytes"] for r in resumed] == [r["wire_bytes"] for r in straight]
+
+
+def test_bert_tiny_zero_one_adam_and_stock_ddp_under_plain_torchrun(tmp_path):
+    from qaccel.zoo import load_model, load_recipe, load_tokenizer
+
+    common = ["--recipe", "bert-tiny", "--max_steps", "4", "--eval_steps", "4", "--save_steps", "0"]
+    torchrun(*common, "--output_dir", str(tmp_path / "zoadam"))
+    torchrun(*common, "--output_dir", str(tmp_path / "ddp"), "--method", "none")
+    zoadam, ddp = metrics(tmp_path / "zoadam"), metrics(tmp_path / "ddp")
+    assert [r["step"] for r in zoadam] == [1, 2, 3, 4] and "eval_perplexity" in zoadam[-1]
+    # Stock DDP sends a ring all-reduce of every fp32 gradient per step: 2 (N-1)/N * 4 bytes * numel.
+    recipe = load_recipe("bert-tiny")
+    numel = sum(p.numel() for p in load_model(recipe, load_tokenizer(recipe)).parameters() if p.requires_grad)
+    assert all(r["wire_bytes"] == 4 * numel for r in ddp), (ddp[0]["wire_bytes"], 4 * numel)
+    # 0/1 Adam: the first step sends nothing (initialisation), later steps far less than DDP's.
+    assert zoadam[0]["wire_bytes"] == 0
+    assert zoadam[-1]["wire_bytes_total"] < ddp[-1]["wire_bytes_total"]
+    state = json.loads((tmp_path / "zoadam" / "checkpoint-4" / "qaccel_state.json").read_text())
+    assert state["method"] == "zero_one_adam" and state["method_config"]["var_freeze_step"] == recipe.method.zero_one_adam["var_freeze_step"]
+
+
+def test_one_bit_optimizer_under_the_fsdp_launch_config_fails_fast_with_the_fix(tmp_path):
+    proc = launch(QSDP_CONFIG, "--recipe", "bert-tiny", "--output_dir", str(tmp_path / "x"), check=False)
+    assert proc.returncode != 0
+    assert "cpu_2proc_ddp.yaml" in proc.stderr and "runs on DDP" in proc.stderr
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("recipe, config", [("gpt2-tiny", "cpu_2proc_qsdp.yaml"), ("bert-tiny", "cpu_2proc_ddp.yaml")])
+def test_qaccel_train_dry_run_uses_the_recipe_launch_config(recipe, config):
+    proc = subprocess.run(
+        [sys.executable, "-m", "qaccel.cli", "train", "--recipe", recipe, "--dry_run", "--output_dir", "runs/x", "--max_steps", "5"],
+        env=env(), cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"--config_file {REPO / 'launch_configs' / config}" in line
+    assert line.endswith(f"{SCRIPT} --recipe {recipe} --output_dir runs/x --max_steps 5")

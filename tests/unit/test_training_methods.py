@@ -1,0 +1,75 @@
+"""Method planning for scripts/train.py: parallelism, launch mismatches, setting precedence."""
+
+import pytest
+
+from qaccel.training import plan_method
+
+BASE = dict(recipe_qsdp={}, flag_qsdp={}, recipe_onebit={}, flag_onebit={}, learning_rate=1e-3, weight_decay=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(("QACCEL_", "ACCELERATE_USE_")):
+            monkeypatch.delenv(name)
+
+
+def test_qsdp_runs_on_fsdp2_and_the_one_bit_optimizers_on_ddp():
+    assert plan_method("qsdp", recipe_method="qsdp", **BASE).parallelism == "fsdp2"
+    assert plan_method("zero_one_adam", recipe_method="qsdp", **BASE).parallelism == "ddp"
+    assert plan_method("onebit_adam", recipe_method="zero_one_adam", **BASE).parallelism == "ddp"
+
+
+def test_none_keeps_the_recipe_parallelism_with_both_paths_off():
+    stock_fsdp = plan_method("none", recipe_method="qsdp", **BASE)
+    assert stock_fsdp.parallelism == "fsdp2"
+    assert stock_fsdp.qsdp.weight_bits is None and stock_fsdp.qsdp.grad_bits is None
+    assert plan_method("none", recipe_method="zero_one_adam", **BASE).parallelism == "ddp"
+
+
+def test_one_bit_optimizer_under_an_fsdp_launch_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match=r"zero_one_adam: runs on DDP.*cpu_2proc_ddp.yaml"):
+        plan_method("zero_one_adam", recipe_method="zero_one_adam", **BASE)
+    # `none` under an FSDP launch is stock FSDP2, whatever the recipe's method
+    assert plan_method("none", recipe_method="zero_one_adam", **BASE).parallelism == "fsdp2"
+
+
+def test_deepspeed_launch_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="DeepSpeed"):
+        plan_method("qsdp", recipe_method="qsdp", **BASE)
+
+
+def test_unknown_method_and_unknown_settings_are_named():
+    with pytest.raises(ValueError, match=r"--method 'sgd'.*qsdp, zero_one_adam, onebit_adam, none"):
+        plan_method("sgd", recipe_method="qsdp", **BASE)
+    with pytest.raises(ValueError, match=r"qsdp settings: unknown keys \['wieght_bits'\]"):
+        plan_method("qsdp", recipe_method="qsdp", **{**BASE, "flag_qsdp": {"wieght_bits": 4}})
+    with pytest.raises(ValueError, match=r"zero_one_adam settings: unknown keys \['freeze_stepp'\]"):
+        plan_method("zero_one_adam", recipe_method="qsdp", **{**BASE, "recipe_onebit": {"freeze_stepp": 3}})
+
+
+def test_precedence_flag_then_environment_then_recipe(monkeypatch):
+    recipe_only = plan_method("qsdp", recipe_method="qsdp", **{**BASE, "recipe_qsdp": {"weight_bits": 6, "grad_bits": 6}})
+    assert (recipe_only.qsdp.weight_bits, recipe_only.qsdp.grad_bits) == (6, 6)
+    monkeypatch.setenv("QACCEL_QSDP_WEIGHT_BITS", "4")
+    env_over_recipe = plan_method("qsdp", recipe_method="qsdp", **{**BASE, "recipe_qsdp": {"weight_bits": 6, "grad_bits": 6}})
+    assert (env_over_recipe.qsdp.weight_bits, env_over_recipe.qsdp.grad_bits) == (4, 6)
+    flag_over_env = plan_method("qsdp", recipe_method="qsdp", **{**BASE, "recipe_qsdp": {"weight_bits": 6}, "flag_qsdp": {"weight_bits": 5}})
+    assert flag_over_env.qsdp.weight_bits == 5
+
+
+def test_one_bit_settings_precedence_and_training_defaults(monkeypatch):
+    plan = plan_method("zero_one_adam", recipe_method="zero_one_adam", **{**BASE, "recipe_onebit": {"var_freeze_step": 50}})
+    assert (plan.onebit.var_freeze_step, plan.onebit.lr, plan.onebit.weight_decay) == (50, 1e-3, 0.0)
+    monkeypatch.setenv("QACCEL_ZERO_ONE_ADAM_VAR_FREEZE_STEP", "70")
+    plan = plan_method("zero_one_adam", recipe_method="zero_one_adam", **{**BASE, "recipe_onebit": {"var_freeze_step": 50}})
+    assert plan.onebit.var_freeze_step == 70
+    plan = plan_method(
+        "zero_one_adam", recipe_method="zero_one_adam", **{**BASE, "recipe_onebit": {"var_freeze_step": 50}, "flag_onebit": {"var_freeze_step": 90}}
+    )
+    assert plan.onebit.var_freeze_step == 90
+    assert plan.config_dict()["var_freeze_step"] == 90

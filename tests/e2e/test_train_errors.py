@@ -1,0 +1,163 @@
+"""scripts/train.py refuses bad input with a clear error before any process group or collective exists,
+and writes nothing to the output directory (the table in docs/errors.md).
+
+All cases run in one separate Python process (this file run as a script, see ``_run_cases``): each
+calls the script's ``main(argv)`` with its environment, and reports the error type, its message and
+whether the output directory appeared. One process keeps the torch/transformers import cost to once;
+every case fails before an Accelerator is built, so nothing process-wide carries over between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "train.py"
+
+
+def _foreign_checkpoint(root: Path, method: str, recipe: str, task: str, base_model: str, config: dict | None = None) -> Path:
+    """A complete checkpoint folder as another run writes it: its run state and a manifest over it."""
+    from qaccel.hub.run_state import build_run_state
+    from qaccel.training.checkpoints import write_manifest
+
+    folder = root / "checkpoint-4"
+    folder.mkdir(parents=True)
+    state = build_run_state(
+        method=method, method_config=config or {}, recipe=recipe, task=task, step=4, world_size=1, wire_bytes_total=0,
+        metrics=None, base_model=base_model, dataset=None,
+    )  # fmt: skip
+    (folder / "qaccel_state.json").write_text(json.dumps(state))
+    write_manifest(folder)
+    return folder
+
+
+def _cases(tmp: Path) -> dict[str, dict]:
+    bert = _foreign_checkpoint(tmp / "bert_run", "zero_one_adam", "bert-tiny", "masked-lm", "bert-tiny")
+    from qaccel.fsdp import QSDPConfig
+    from qaccel.zoo import load_recipe
+
+    gpt2_tiny_qsdp = QSDPConfig.from_env(**load_recipe("gpt2-tiny").method.qsdp).to_dict()
+    other_model = _foreign_checkpoint(tmp / "gpt2_124m_run", "qsdp", "gpt2-124m", "causal-lm", "gpt2-124m", gpt2_tiny_qsdp)
+    damaged = _foreign_checkpoint(tmp / "damaged_run", "qsdp", "gpt2-tiny", "causal-lm", "gpt2-tiny")
+    (damaged / "qaccel_state.json").write_text((damaged / "qaccel_state.json").read_text() + " ")
+    bad_recipe = tmp / "bad.md"
+    bad_recipe.write_text("no front matter\n")
+
+    def case(*argv: str, **env: str) -> dict:
+        return {"argv": [*argv], "env": env}
+
+    return {
+        "unknown_recipe": case("--recipe", "gpt2-huge"),
+        "missing_recipe_file": case("--recipe", str(tmp / "nope.md")),
+        "malformed_recipe_file": case("--recipe", str(bad_recipe)),
+        "unknown_method": case("--recipe", "gpt2-tiny", "--method", "adam"),
+        "qsdp_bits": case("--recipe", "gpt2-tiny", "--qsdp_weight_bits", "9"),
+        "qsdp_bucket": case("--recipe", "gpt2-tiny", "--qsdp_grad_bucket_size", "0"),
+        "qsdp_unknown_env_key": case("--recipe", "gpt2-tiny", QACCEL_QSDP_WEIGHT_BITZ="4"),
+        "qsdp_unknown_flag": case("--recipe", "gpt2-tiny", "--qsdp_bits", "4"),
+        "zoadam_schedule": case("--recipe", "bert-tiny", "--zoadam_var_freeze_step", "-1"),
+        "zoadam_unsupported_value": case("--recipe", "bert-tiny", "--zoadam_amsgrad", "true"),
+        "zero_one_adam_under_fsdp_launch": case("--recipe", "bert-tiny", ACCELERATE_USE_FSDP="true"),
+        "deepspeed_launch": case("--recipe", "gpt2-tiny", ACCELERATE_USE_DEEPSPEED="true"),
+        "resume_missing_folder": case("--recipe", "gpt2-tiny", "--resume_from_checkpoint", str(tmp / "gone")),
+        "resume_not_a_checkpoint": case("--recipe", "gpt2-tiny", "--resume_from_checkpoint", str(tmp)),
+        "resume_damaged": case("--recipe", "gpt2-tiny", "--resume_from_checkpoint", str(damaged)),
+        "resume_other_method": case("--recipe", "gpt2-tiny", "--resume_from_checkpoint", str(bert)),
+        "resume_other_model": case("--recipe", "gpt2-tiny", "--resume_from_checkpoint", str(other_model)),
+        "collective_timeout": case("--recipe", "gpt2-tiny", "--collective_timeout_s", "0"),
+        "check_replicas_env": case("--recipe", "gpt2-tiny", QACCEL_CHECK_REPLICAS="often"),
+        "push_without_id": case("--recipe", "gpt2-tiny", "--push_to_hub"),
+    }
+
+
+# case -> (error type, substrings of the message)
+EXPECTED = {
+    "unknown_recipe": ("ValueError", ["gpt2-huge", "gpt2-tiny", "bert-tiny"]),
+    "missing_recipe_file": ("ValueError", ["nope.md", "no such file"]),
+    "malformed_recipe_file": ("ValueError", ["bad.md", "must start with a '---' line"]),
+    "unknown_method": ("SystemExit", ["--method: invalid choice: 'adam'", "qsdp"]),
+    "qsdp_bits": ("ValueError", ["weight_bits", "9"]),
+    "qsdp_bucket": ("ValueError", ["grad_bucket_size", "0"]),
+    "qsdp_unknown_env_key": ("ValueError", ["QACCEL_QSDP_WEIGHT_BITZ", "QACCEL_QSDP_WEIGHT_BITS"]),
+    "qsdp_unknown_flag": ("SystemExit", ["unrecognized arguments: --qsdp_bits 4"]),
+    "zoadam_schedule": ("ValueError", ["var_freeze_step", "-1"]),
+    "zoadam_unsupported_value": ("NotImplementedError", ["ZeroOneAdamConfig.amsgrad=True: must be False"]),
+    "zero_one_adam_under_fsdp_launch": ("ValueError", ["runs on DDP", "cpu_2proc_ddp.yaml"]),
+    "deepspeed_launch": ("ValueError", ["DeepSpeed", "cpu_2proc_qsdp.yaml"]),
+    "resume_missing_folder": ("CheckpointError", ["gone: no such directory"]),
+    "resume_not_a_checkpoint": ("CheckpointError", ["no manifest.json", "not a complete qaccel checkpoint"]),
+    "resume_damaged": ("CheckpointError", ["qaccel_state.json", "the manifest says"]),
+    "resume_other_method": ("ValueError", ["trained with method 'zero_one_adam', this run uses 'qsdp'"]),
+    "resume_other_model": ("ValueError", ["resume: ", "differs", "gpt2-124m", "gpt2-tiny"]),
+    "collective_timeout": ("ValueError", ["--collective_timeout_s 0.0: must be a number of seconds > 0"]),
+    "check_replicas_env": ("ValueError", ["QACCEL_CHECK_REPLICAS='often': must be an integer >= 0"]),
+    "push_without_id": ("SystemExit", ["--push_to_hub needs --hub_model_id"]),
+}
+
+
+def _run_cases(tmp: Path) -> dict[str, dict]:
+    """In this (separate) process: run every case through ``main`` and report what happened."""
+    spec = importlib.util.spec_from_file_location("train_script", SCRIPT)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    results = {}
+    for name, case in _cases(tmp).items():
+        out = tmp / "out" / name
+        saved_env = dict(os.environ)
+        os.environ.update(case["env"])
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                train.main([*case["argv"], "--output_dir", str(out)])
+            result = {"error": None}
+        except SystemExit:  # argparse: usage and the message on stderr
+            result = {"error": "SystemExit", "message": stderr.getvalue().strip().splitlines()[-1]}
+        except Exception as exc:  # noqa: BLE001 - the type and message are what the test checks
+            result = {"error": type(exc).__name__, "message": str(exc)}
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+        result["output_dir_exists"] = out.exists()
+        results[name] = result
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("train_errors")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "FSDP_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, __file__, str(tmp)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bad_input_is_refused_before_any_collective_and_nothing_is_written(outcomes, name):
+    kind, fragments = EXPECTED[name]
+    result = outcomes[name]
+    assert result["error"] == kind, result
+    for fragment in fragments:
+        assert fragment in result["message"], (fragment, result["message"])
+    assert not result["output_dir_exists"], result
+
+
+def test_every_case_has_an_expectation():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        assert set(_cases(Path(tmp))) == set(EXPECTED)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    print(json.dumps(_run_cases(Path(sys.argv[1]))))

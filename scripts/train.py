@@ -38,6 +38,7 @@ from qaccel.optim.config import OneBitAdamConfig, ZeroOneAdamConfig
 from qaccel.training import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     METHODS,
+    BatchSeededCollator,
     FaultReporter,
     MetricsLog,
     TrainingGuards,
@@ -181,7 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
     # The loader gets its own generator: creating an iterator then draws its base seed from it, not
     # from the global RNG that dropout uses, so a resumed run's new iterator cannot shift dropout.
     train_loader = DataLoader(
-        data.train, batch_size=cfg["per_device_batch_size"], shuffle=True, collate_fn=data.collator, drop_last=True,
+        data.train, batch_size=cfg["per_device_batch_size"], shuffle=True, drop_last=True,
+        # Masked-LM masks drawn per batch (not from the global RNG's position): exact resumes.
+        collate_fn=BatchSeededCollator(data.collator, cfg["seed"]),
         generator=torch.Generator().manual_seed(cfg["seed"]),
     )  # fmt: skip
     eval_loader = DataLoader(data.eval, batch_size=cfg["per_device_batch_size"], collate_fn=data.collator)

@@ -12,6 +12,7 @@ from .checkpoints import (
     save_checkpoint,
     verify_checkpoint,
 )
+from .collate import BatchSeededCollator
 from .evaluation import evaluate_model
 from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S, FaultReporter, is_collective_failure
 from .guards import (
@@ -27,6 +28,7 @@ from .methods import METHODS, MethodPlan, build_accelerator, build_optimizer, me
 from .metrics_log import MetricsLog, read_metrics
 
 __all__ = [
+    "BatchSeededCollator",
     "METHODS",
     "MethodPlan",
     "plan_method",

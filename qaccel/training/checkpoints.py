@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .._safe_pickle import UnsafePickleError, check_dcp_metadata
+from ..hub._fs import fsync_dir, install_dir
 
 __all__ = [
     "CHECKPOINT_PREFIX",
@@ -105,14 +106,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(root: Path) -> dict[str, Any]:
     """List every file under ``root`` with size and SHA-256, flush them all, write ``manifest.json``."""
     entries = {}
@@ -127,7 +120,7 @@ def write_manifest(root: Path) -> dict[str, Any]:
         os.fsync(fh.fileno())
     os.replace(tmp, root / MANIFEST_FILE)
     for directory in {p.parent for p in _files(root)} | {root}:
-        _fsync_dir(directory)
+        fsync_dir(directory)
     return manifest
 
 
@@ -187,14 +180,6 @@ def save_checkpoint(accelerator: Any, output_dir: str | os.PathLike, step: int, 
         if write_extra is not None:
             write_extra(partial)
         write_manifest(partial)
-        if final.exists():  # the same step saved again (a resumed run): replace it whole
-            stale = final.with_name("." + final.name + ".stale")
-            shutil.rmtree(stale, ignore_errors=True)
-            os.replace(final, stale)
-            os.replace(partial, final)
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            os.replace(partial, final)
-        _fsync_dir(final.parent)
+        install_dir(partial, final)  # replaces a same-step checkpoint (a resumed run) whole
     accelerator.wait_for_everyone()
     return final

@@ -135,3 +135,27 @@ def test_zero_one_adam_two_ranks_survivor_names_the_killed_rank(tmp_path):
 def test_four_ranks_one_killed_all_three_survivors_report_it(tmp_path, recipe):
     result = _kill_one_rank(tmp_path, recipe, 4, 2, "--per_device_batch_size", "2")
     _check(result, 4, 2)
+
+
+@pytest.mark.slow
+def test_run_killed_mid_training_resumes_bit_exactly_from_its_last_checkpoint(tmp_path):
+    """Requirement 2 after requirement 1: kill a rank, resume from `latest`, match an uninterrupted run.
+
+    A constant learning rate makes the schedule independent of --max_steps, so the killed run
+    (500 steps planned) and the uninterrupted one (6 steps) follow the same trajectory.
+    """
+    flags = ("--save_steps", "2", "--lr_scheduler", "constant")
+    result = _kill_one_rank(tmp_path, "gpt2-tiny", 2, 1, *flags)
+    assert result["code"] != 0 and not result["left"]
+    out = tmp_path / "run"
+    common = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPT), "--recipe", "gpt2-tiny", "--eval_steps", "0", *flags, "--max_steps", "6"]
+    for extra, folder in ((["--resume_from_checkpoint", "latest"], out), ([], tmp_path / "straight")):
+        cmd = common[:5] + ["--master_port", str(_free_port())] + common[5:] + ["--output_dir", str(folder), *extra]
+        proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    for shard in sorted((tmp_path / "straight" / "checkpoint-6" / "pytorch_model_fsdp_0").glob("*.distcp")):
+        assert shard.read_bytes() == (out / "checkpoint-6" / "pytorch_model_fsdp_0" / shard.name).read_bytes()

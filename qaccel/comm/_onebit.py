@@ -1,6 +1,6 @@
 """1-bit error-feedback all-reduce (1-bit Adam / 0/1 Adam), one implementation for every process group.
 
-Protocol (``shared/design/zero_one_adam.md`` section 5; DeepSpeed ``runtime/comm/nccl.py``), per tensor
+Protocol (``docs/zero_one_adam.md``, "Wire format of the 1-bit all-reduce"; DeepSpeed ``runtime/comm/nccl.py``), per tensor
 of ``M`` elements zero-padded to ``M'`` (a multiple of ``8N``) on ``N`` ranks:
 
 1. worker: ``x = pad(input) + worker_error``; ``s_w = ||x|| / sqrt(M')``; bits ``b = [x >= 0]``;
@@ -16,7 +16,7 @@ Two deliberate transport differences from DeepSpeed, with identical numerics and
 
 - The scales travel in the same collective as the bits (DeepSpeed issues a separate all-gather for them),
   so one call is **2 collectives**, not 4. Bytes per rank and direction stay
-  ``2 (N-1) (M'/(8N) + 4)`` per tensor, the figure of the design doc.
+  ``2 (N-1) (M'/(8N) + 4)`` per tensor, the figure in ``docs/zero_one_adam.md``.
 - Several tensors can share one call (``compressed_allreduce`` takes a list): each keeps its own padding,
   scales and error buffers (DeepSpeed's per-tensor fp32 numerics), but a whole optimizer step costs one
   all-to-all and one all-gather instead of four collectives per tensor.
@@ -128,7 +128,7 @@ def onebit_wire_bytes(layouts: Sequence[OneBitLayout]) -> OneBitWireBytes:
 
     Each rank sends ``N-1`` rows in the all-to-all and its row to ``N-1`` peers in the all-gather (ring
     figure); a row holds one fp32 scale per non-empty tensor plus ``M'/(8N)`` sign bytes per tensor. Per
-    tensor this is the design doc's ``2 (N-1) M'/(8N) + 2 (N-1) 4`` in each direction.
+    tensor this is ``docs/zero_one_adam.md``'s ``2 (N-1) M'/(8N) + 2 (N-1) 4`` in each direction.
     """
     live = [layout for layout in layouts if layout.numel > 0]
     if not live:

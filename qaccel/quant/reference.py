@@ -1,6 +1,6 @@
 """Pure-torch reference codecs: the specification every native backend must match bit for bit.
 
-Bucketed k-bit quantizer (QSDP, Markov et al. 2023; ``shared/design/qsdp.md`` section 2). For a
+Bucketed k-bit quantizer (QSDP, Markov et al. 2023; ``docs/qsdp.md``, "Wire format"). For a
 flat tensor split into buckets of ``bucket_size`` elements (the last may be short) and
 ``L = 2**bits - 1``:
 
@@ -23,7 +23,7 @@ flat tensor split into buckets of ``bucket_size`` elements (the last may be shor
 6. Packing: eight codes form a group of ``bits`` bytes read as a little-endian integer; code ``j`` of
    the group sits at bits ``[bits*j, bits*j + bits)``. The last group is padded with code 0.
 
-1-bit sign codec (0/1 Adam, ``shared/design/zero_one_adam.md`` section 5): see
+1-bit sign codec (0/1 Adam, ``docs/zero_one_adam.md``, "Wire format of the 1-bit all-reduce"): see
 :class:`qaccel.quant.SignCompressed` for the layout; the scale of a chunk is
 ``torch.linalg.vector_norm(chunk) / sqrt(n_c)`` in fp32, as DeepSpeed computes it.
 """

@@ -85,7 +85,7 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum)
+    accelerator = Accelerator(cpu=args.cpu or None, mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum)
 
     torch.manual_seed(args.seed)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=args.vocab, n_positions=args.seq_len)

@@ -13,6 +13,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__linux__)
@@ -22,6 +23,7 @@
 #include "quant_checks.h"
 #include "quant_common.h"
 #include "quant_cpu_avx512.h"
+#include "quant_payload.h"
 
 namespace {
 
@@ -179,11 +181,39 @@ const uint8_t* unpack_tile(int bits, const uint8_t* packed, int64_t count, uint8
   }
 }
 
+// Encode elements [e0, e1) of a tensor of `numel` elements (e0 a multiple of 8, e1 - e0 <= kTileNumel).
+// `grids` holds every bucket's grid (buckets longer than kFusedMaxBucket) or is null:
+// then the tile computes the grids it touches and stores the metadata of the buckets starting in it.
+// `buffer` has room for kTileNumel codes (unused for bits == 8).
+template <typename T>
+void encode_tile(const T* x, int64_t numel, int64_t e0, int64_t e1, int bits, int64_t bucket, bool nearest,
+                 uint64_t seed, bool meta_bf16, const BucketGrid* grids, void* lo, void* scale, uint8_t* packed,
+                 uint8_t* buffer) {
+  const int levels = (1 << bits) - 1;
+  uint8_t* codes = bits == 8 ? packed + e0 : buffer;
+  for (int64_t b = e0 / bucket; b * bucket < e1; ++b) {
+    const int64_t bs = b * bucket, be = std::min(numel, bs + bucket);
+    BucketGrid grid;
+    if (grids == nullptr) {
+      grid = bucket_grid(x, bs, be, bits, meta_bf16);
+      if (bs >= e0) store_grid(grid, meta_bf16, lo, scale, b);
+    } else {
+      grid = grids[b];
+    }
+    const int64_t s0 = std::max(bs, e0), s1 = std::min(be, e1);
+    encode_segment(x, s0, s1, grid, nearest, seed, levels, codes + (s0 - e0));
+  }
+  if (bits == 8) {
+    std::fill(codes + (e1 - e0), codes + (e1 - e0 + 7) / 8 * 8, uint8_t{0});  // padding codes
+  } else {
+    pack_tile(bits, codes, e1 - e0, packed + (e0 / 8) * bits);
+  }
+}
+
 template <typename T>
 void quantize_impl(const T* x, int64_t numel, int bits, int64_t bucket, bool nearest, uint64_t seed, bool meta_bf16,
                    void* lo, void* scale, uint8_t* packed) {
   const int64_t num_buckets = (numel + bucket - 1) / bucket;
-  const int levels = (1 << bits) - 1;
   const bool fused = bucket <= kFusedMaxBucket;
   std::vector<BucketGrid> grids;
   if (!fused) {
@@ -200,26 +230,33 @@ void quantize_impl(const T* x, int64_t numel, int bits, int64_t bucket, bool nea
     std::vector<uint8_t> buffer(bits == 8 ? 0 : kTileNumel);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t e0 = t * kTileNumel, e1 = std::min(numel, e0 + kTileNumel);
-      uint8_t* codes = bits == 8 ? packed + e0 : buffer.data();
-      for (int64_t b = e0 / bucket; b * bucket < e1; ++b) {
-        const int64_t bs = b * bucket, be = std::min(numel, bs + bucket);
-        BucketGrid grid;
-        if (fused) {
-          grid = bucket_grid(x, bs, be, bits, meta_bf16);
-          if (bs >= e0) store_grid(grid, meta_bf16, lo, scale, b);
-        } else {
-          grid = grids[b];
-        }
-        const int64_t s0 = std::max(bs, e0), s1 = std::min(be, e1);
-        encode_segment(x, s0, s1, grid, nearest, seed, levels, codes + (s0 - e0));
-      }
-      if (bits == 8) {
-        std::fill(codes + (e1 - e0), codes + (e1 - e0 + 7) / 8 * 8, uint8_t{0});  // padding codes
-      } else {
-        pack_tile(bits, codes, e1 - e0, packed + (e0 / 8) * bits);
-      }
+      encode_tile(x, numel, e0, e1, bits, bucket, nearest, seed, meta_bf16, fused ? nullptr : grids.data(), lo, scale,
+                  packed, buffer.data());
     }
   });
+}
+
+// Decode elements [e0, e1) (e0 a multiple of 8, e1 - e0 <= kTileNumel) into out_tile[0, e1 - e0), overwriting or
+// adding in fp32. `buffer` has room for kTileNumel codes.
+template <typename Meta, typename Out>
+void decode_tile(const uint8_t* packed, const Meta* lo, const Meta* scale, int bits, int64_t bucket, int64_t numel,
+                 int64_t e0, int64_t e1, Out* out_tile, bool accumulate, uint8_t* buffer) {
+  const uint8_t* codes = unpack_tile(bits, packed + (e0 / 8) * bits, e1 - e0, buffer);
+  for (int64_t b = e0 / bucket; b * bucket < e1; ++b) {
+    const int64_t s0 = std::max(b * bucket, e0), s1 = std::min(std::min(numel, (b + 1) * bucket), e1);
+    const double lo64 = static_cast<double>(static_cast<float>(lo[b]));
+    const double scale64 = static_cast<double>(static_cast<float>(scale[b]));
+    const uint8_t* seg = codes + (s0 - e0);
+    Out* out = out_tile + (s0 - e0);
+    if (accumulate) {
+      for (int64_t i = 0; i < s1 - s0; ++i) {
+        const float sum = static_cast<float>(out[i]) + qaccel::decode_value(lo64, scale64, seg[i]);
+        store_out(out, i, sum);
+      }
+    } else {
+      for (int64_t i = 0; i < s1 - s0; ++i) store_out(out, i, qaccel::decode_value(lo64, scale64, seg[i]));
+    }
+  }
 }
 
 template <typename Meta, typename Out>
@@ -230,21 +267,7 @@ void dequantize_impl(const uint8_t* packed, const Meta* lo, const Meta* scale, i
     std::vector<uint8_t> buffer(bits == 8 ? 0 : kTileNumel);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t e0 = t * kTileNumel, e1 = std::min(numel, e0 + kTileNumel);
-      const uint8_t* codes = unpack_tile(bits, packed + (e0 / 8) * bits, e1 - e0, buffer.data());
-      for (int64_t b = e0 / bucket; b * bucket < e1; ++b) {
-        const int64_t s0 = std::max(b * bucket, e0), s1 = std::min(std::min(numel, (b + 1) * bucket), e1);
-        const double lo64 = static_cast<double>(static_cast<float>(lo[b]));
-        const double scale64 = static_cast<double>(static_cast<float>(scale[b]));
-        const uint8_t* seg = codes + (s0 - e0);
-        if (accumulate) {
-          for (int64_t i = s0; i < s1; ++i) {
-            const float sum = static_cast<float>(out[i]) + qaccel::decode_value(lo64, scale64, seg[i - s0]);
-            store_out(out, i, sum);
-          }
-        } else {
-          for (int64_t i = s0; i < s1; ++i) store_out(out, i, qaccel::decode_value(lo64, scale64, seg[i - s0]));
-        }
-      }
+      decode_tile(packed, lo, scale, bits, bucket, numel, e0, e1, out + e0, accumulate, buffer.data());
     }
   });
 }
@@ -392,6 +415,298 @@ torch::Tensor sign_unpack(torch::Tensor signs, torch::Tensor scales, int64_t num
   return out;
 }
 
+// ---- fused payloads (quant_payload.h; reference.encode_payloads / decode_payloads / sum_payloads) --
+//
+// One call covers every (slot, segment): the work is a list of tiles (slot, segment, [e0, e1)) of
+// at most kTileNumel elements, cut at the same places as quantize/dequantize cut a lone segment,
+// run by one at::parallel_for. Each output byte has one writer, so the bytes do not depend on the
+// thread count. Nothing is allocated per segment.
+
+namespace pl = qaccel::payload;
+
+struct Tile {
+  int64_t slot, seg, e0, e1;
+};
+
+// Tiles of every segment for `slots` slots (the sum walks elements once: slots == 1 there).
+std::vector<Tile> payload_tiles(const pl::Params& p, const int64_t* rows, int64_t slots) {
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < slots; ++s) {
+    for (int64_t i = 0; i < p.num_segments; ++i) {
+      const int64_t n = rows[i * pl::kRowLen + pl::kSegNumel];
+      for (int64_t e0 = 0; e0 < n; e0 += kTileNumel) tiles.push_back({s, i, e0, std::min(n, e0 + kTileNumel)});
+    }
+  }
+  return tiles;
+}
+
+int dtype_code(at::ScalarType t) { return t == at::kFloat ? 0 : (t == at::kBFloat16 ? 1 : 2); }
+
+// dst[k] = fp32(src[k]) for a tile of a float32 / bfloat16 / float16 array.
+void load_tile_f32(const void* src, int dtype, int64_t n, float* dst) {
+  switch (dtype) {
+    case 0: std::memcpy(dst, src, n * sizeof(float)); break;
+    case 1:
+      for (int64_t k = 0; k < n; ++k) dst[k] = load_f32(static_cast<const c10::BFloat16*>(src), k);
+      break;
+    default:
+      for (int64_t k = 0; k < n; ++k) dst[k] = load_f32(static_cast<const c10::Half*>(src), k);
+  }
+}
+
+// acc[k] = acc[k] + fp32(src[k]), as total.add_(raw.to(float32)).
+void add_tile_f32(const void* src, int dtype, int64_t n, float* acc) {
+  switch (dtype) {
+    case 0:
+      for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + static_cast<const float*>(src)[k];
+      break;
+    case 1:
+      for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + load_f32(static_cast<const c10::BFloat16*>(src), k);
+      break;
+    default:
+      for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + load_f32(static_cast<const c10::Half*>(src), k);
+  }
+}
+
+template <typename Out>
+void store_tile(const float* src, int64_t n, Out* dst) {
+  for (int64_t k = 0; k < n; ++k) store_out(dst, k, src[k]);
+}
+
+// Raw elements of dtype `dtype` into Out: bit copy when the dtypes agree (as Tensor.copy_), else
+// a conversion through fp32, exact for every widening and rounding to nearest even otherwise.
+template <typename Out>
+void copy_raw(const uint8_t* raw, int dtype, int64_t n, Out* dst, float* scratch) {
+  if (dtype == dtype_code(c10::CppTypeToScalarType<Out>::value)) {
+    std::memcpy(dst, raw, n * sizeof(Out));
+    return;
+  }
+  load_tile_f32(raw, dtype, n, scratch);
+  store_tile(scratch, n, dst);
+}
+
+template <typename T>
+void encode_payloads_impl(const T* src, const pl::Params& p, const int64_t* rows, const int64_t* offsets,
+                          const uint64_t* seeds, int64_t slots, uint8_t* out) {
+  const int64_t meta_size = p.meta_bf16 ? 2 : 4;
+  const bool fused = p.bucket <= kFusedMaxBucket;
+  std::vector<BucketGrid> grids;  // long buckets: every (slot, bucket) grid first, as quantize_impl does
+  if (!fused && p.num_buckets > 0) {
+    std::vector<int64_t> bucket_seg(p.num_buckets);
+    for (int64_t i = 0; i < p.num_segments; ++i) {
+      const int64_t* row = rows + i * pl::kRowLen;
+      if (!row[pl::kQuantized]) continue;
+      const int64_t count = (row[pl::kSegNumel] + p.bucket - 1) / p.bucket;
+      for (int64_t b = 0; b < count; ++b) bucket_seg[row[pl::kBucketOffset] + b] = i;
+    }
+    grids.resize(slots * p.num_buckets);
+    at::parallel_for(0, slots * p.num_buckets, 1, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t s = k / p.num_buckets, global = k % p.num_buckets;
+        const int64_t* row = rows + bucket_seg[global] * pl::kRowLen;
+        const int64_t b = global - row[pl::kBucketOffset], n = row[pl::kSegNumel];
+        const T* x = src + offsets[s] + row[pl::kElemOffset];
+        uint8_t* meta = out + s * p.nbytes + p.meta_offset;
+        grids[k] = bucket_grid(x, b * p.bucket, std::min(n, (b + 1) * p.bucket), p.bits, p.meta_bf16);
+        store_grid(grids[k], p.meta_bf16, meta, meta + meta_size * p.num_buckets, global);
+      }
+    });
+  }
+  const std::vector<Tile> tiles = payload_tiles(p, rows, slots);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> buffer(p.bits == 8 ? 0 : kTileNumel);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Tile& tile = tiles[t];
+      const int64_t* row = rows + tile.seg * pl::kRowLen;
+      const T* x = src + offsets[tile.slot] + row[pl::kElemOffset];
+      uint8_t* blob = out + tile.slot * p.nbytes;
+      if (!row[pl::kQuantized]) {
+        std::memcpy(blob + row[pl::kRawByteOffset] + tile.e0 * p.elem_itemsize, x + tile.e0,
+                    (tile.e1 - tile.e0) * p.elem_itemsize);
+        continue;
+      }
+      uint8_t* lo = blob + p.meta_offset + meta_size * row[pl::kBucketOffset];
+      uint8_t* scale = lo + meta_size * p.num_buckets;
+      const BucketGrid* seg_grids = fused ? nullptr : grids.data() + tile.slot * p.num_buckets + row[pl::kBucketOffset];
+      encode_tile(x, row[pl::kSegNumel], tile.e0, tile.e1, p.bits, p.bucket, p.nearest,
+                  seeds[tile.slot * p.num_segments + tile.seg], p.meta_bf16, seg_grids, lo, scale,
+                  blob + row[pl::kCodeOffset], buffer.data());
+    }
+  });
+  for (int64_t s = 0; s < slots; ++s) {  // padding bytes, so payloads are deterministic byte for byte
+    uint8_t* blob = out + s * p.nbytes;
+    std::fill(blob + p.code_bytes, blob + p.meta_offset, uint8_t{0});
+    std::fill(blob + p.raw_offset + p.raw_bytes, blob + p.nbytes, uint8_t{0});
+  }
+}
+
+template <typename Meta, typename Out>
+void decode_payloads_impl(const uint8_t* blob_all, const pl::Params& p, const int64_t* rows, const int64_t* offsets,
+                          int64_t slots, Out* out) {
+  const std::vector<Tile> tiles = payload_tiles(p, rows, slots);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> buffer(p.bits == 8 ? 0 : kTileNumel);
+    std::vector<float> scratch(kTileNumel);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Tile& tile = tiles[t];
+      const int64_t* row = rows + tile.seg * pl::kRowLen;
+      const uint8_t* blob = blob_all + tile.slot * p.nbytes;
+      Out* dst = out + offsets[tile.slot] + row[pl::kElemOffset] + tile.e0;
+      if (!row[pl::kQuantized]) {
+        copy_raw(blob + row[pl::kRawByteOffset] + tile.e0 * p.elem_itemsize, p.elem_dtype, tile.e1 - tile.e0, dst,
+                 scratch.data());
+        continue;
+      }
+      const Meta* lo = reinterpret_cast<const Meta*>(blob + p.meta_offset) + row[pl::kBucketOffset];
+      const Meta* scale = lo + p.num_buckets;
+      decode_tile(blob + row[pl::kCodeOffset], lo, scale, p.bits, p.bucket, row[pl::kSegNumel], tile.e0, tile.e1, dst,
+                  false, buffer.data());
+    }
+  });
+}
+
+template <typename Meta, typename Out>
+void sum_payloads_impl(const uint8_t* blob_all, const pl::Params& p, const int64_t* rows, int64_t slots,
+                       const void* base, int base_dtype, int64_t base_itemsize, Out* out) {
+  const std::vector<Tile> tiles = payload_tiles(p, rows, 1);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> buffer(p.bits == 8 ? 0 : kTileNumel);
+    std::vector<float> acc(kTileNumel);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Tile& tile = tiles[t];
+      const int64_t* row = rows + tile.seg * pl::kRowLen;
+      const int64_t first = row[pl::kElemOffset] + tile.e0, n = tile.e1 - tile.e0;
+      load_tile_f32(static_cast<const uint8_t*>(base) + first * base_itemsize, base_dtype, n, acc.data());
+      for (int64_t s = 0; s < slots; ++s) {  // slot order: ((base + d_0) + d_1) + ...
+        const uint8_t* blob = blob_all + s * p.nbytes;
+        if (!row[pl::kQuantized]) {
+          add_tile_f32(blob + row[pl::kRawByteOffset] + tile.e0 * p.elem_itemsize, p.elem_dtype, n, acc.data());
+          continue;
+        }
+        const Meta* lo = reinterpret_cast<const Meta*>(blob + p.meta_offset) + row[pl::kBucketOffset];
+        const Meta* scale = lo + p.num_buckets;
+        decode_tile(blob + row[pl::kCodeOffset], lo, scale, p.bits, p.bucket, row[pl::kSegNumel], tile.e0, tile.e1,
+                    acc.data(), true, buffer.data());
+      }
+      store_tile(acc.data(), n, out + first);
+    }
+  });
+}
+
+pl::Params checked_params(const torch::Tensor& table) {
+  check_cpu_contiguous(table, "table");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.numel() >= pl::kHeaderLen,
+              "table: must be a PayloadSpec table");
+  const int64_t* t = table.data_ptr<int64_t>();
+  const pl::Params p = pl::read_params(t);
+  TORCH_CHECK(table.numel() == pl::kHeaderLen + p.num_segments * pl::kRowLen, "table: ", table.numel(),
+              " entries do not match its ", p.num_segments, " segments");
+  qaccel::check_codec_args(p.bits, p.bucket);
+  return p;
+}
+
+void check_slot_offsets(const torch::Tensor& offsets, int64_t slots, int64_t numel, int64_t limit, const char* name) {
+  check_cpu_contiguous(offsets, name);
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.numel() == slots, name, ": expected ", slots,
+              " int64 offsets");
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  for (int64_t s = 0; s < slots; ++s)
+    TORCH_CHECK(o[s] >= 0 && o[s] + numel <= limit, name, "[", s, "]=", o[s], ": chunk out of range");
+}
+
+torch::Tensor encode_payloads(torch::Tensor src, torch::Tensor table, torch::Tensor offsets, torch::Tensor seeds,
+                              torch::Tensor out) {
+  check_cpu_contiguous(src, "src");
+  check_float_dtype(src, "src");
+  check_cpu_contiguous(out, "out");
+  check_cpu_contiguous(seeds, "seeds");
+  const pl::Params p = checked_params(table);
+  TORCH_CHECK(dtype_code(src.scalar_type()) == p.elem_dtype, "src.dtype=", src.scalar_type(),
+              ": must be the spec's element dtype");
+  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 2 && seeds.size(1) == p.num_segments,
+              "seeds: expected int64 [slots, ", p.num_segments, "]");
+  const int64_t slots = seeds.size(0);
+  check_slot_offsets(offsets, slots, p.numel, src.numel(), "src_offsets");
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.numel() == slots * p.nbytes, "out: expected ", slots * p.nbytes,
+              " uint8 bytes");
+  if (slots == 0 || p.nbytes == 0) return out;
+  const int64_t* rows = table.data_ptr<int64_t>() + pl::kHeaderLen;
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const auto* sd = reinterpret_cast<const uint64_t*>(seeds.data_ptr<int64_t>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  switch (src.scalar_type()) {
+    case at::kFloat: encode_payloads_impl(src.data_ptr<float>(), p, rows, o, sd, slots, dst); break;
+    case at::kBFloat16: encode_payloads_impl(src.data_ptr<c10::BFloat16>(), p, rows, o, sd, slots, dst); break;
+    default: encode_payloads_impl(src.data_ptr<c10::Half>(), p, rows, o, sd, slots, dst);
+  }
+  return out;
+}
+
+template <typename Meta>
+void decode_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* o,
+                          int64_t slots, torch::Tensor& out) {
+  switch (out.scalar_type()) {
+    case at::kFloat: decode_payloads_impl<Meta>(blob, p, rows, o, slots, out.data_ptr<float>()); break;
+    case at::kBFloat16: decode_payloads_impl<Meta>(blob, p, rows, o, slots, out.data_ptr<c10::BFloat16>()); break;
+    default: decode_payloads_impl<Meta>(blob, p, rows, o, slots, out.data_ptr<c10::Half>());
+  }
+}
+
+torch::Tensor decode_payloads(torch::Tensor blob, torch::Tensor table, torch::Tensor out, torch::Tensor offsets) {
+  check_cpu_contiguous(blob, "blob");
+  check_cpu_contiguous(out, "out");
+  check_float_dtype(out, "out");
+  const pl::Params p = checked_params(table);
+  const int64_t slots = offsets.numel();
+  check_slot_offsets(offsets, slots, p.numel, out.numel(), "out_offsets");
+  TORCH_CHECK(blob.scalar_type() == at::kByte && blob.numel() == slots * p.nbytes, "blob: expected ",
+              slots * p.nbytes, " uint8 bytes");
+  if (slots == 0 || p.numel == 0) return out;
+  const int64_t* rows = table.data_ptr<int64_t>() + pl::kHeaderLen;
+  const uint8_t* src = blob.data_ptr<uint8_t>();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  if (p.meta_bf16) {
+    decode_payloads_meta<c10::BFloat16>(src, p, rows, o, slots, out);
+  } else {
+    decode_payloads_meta<float>(src, p, rows, o, slots, out);
+  }
+  return out;
+}
+
+template <typename Meta>
+void sum_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, int64_t slots,
+                       const torch::Tensor& base, torch::Tensor& out) {
+  const void* b = base.data_ptr();
+  const int bd = dtype_code(base.scalar_type());
+  const int64_t bs = base.element_size();
+  switch (out.scalar_type()) {
+    case at::kFloat: sum_payloads_impl<Meta>(blob, p, rows, slots, b, bd, bs, out.data_ptr<float>()); break;
+    case at::kBFloat16: sum_payloads_impl<Meta>(blob, p, rows, slots, b, bd, bs, out.data_ptr<c10::BFloat16>()); break;
+    default: sum_payloads_impl<Meta>(blob, p, rows, slots, b, bd, bs, out.data_ptr<c10::Half>());
+  }
+}
+
+torch::Tensor sum_payloads(torch::Tensor blob, torch::Tensor table, torch::Tensor base, torch::Tensor out) {
+  check_cpu_contiguous(blob, "blob");
+  check_cpu_contiguous(base, "base");
+  check_cpu_contiguous(out, "out");
+  check_float_dtype(base, "base");
+  check_float_dtype(out, "out");
+  const pl::Params p = checked_params(table);
+  TORCH_CHECK(base.numel() == p.numel && out.numel() == p.numel, "base/out: expected ", p.numel, " elements");
+  TORCH_CHECK(blob.scalar_type() == at::kByte && (p.nbytes == 0 ? blob.numel() == 0 : blob.numel() % p.nbytes == 0),
+              "blob: expected a whole number of ", p.nbytes, "-byte payloads");
+  const int64_t slots = p.nbytes == 0 ? 0 : blob.numel() / p.nbytes;
+  if (p.numel == 0) return out;
+  const int64_t* rows = table.data_ptr<int64_t>() + pl::kHeaderLen;
+  if (p.meta_bf16) {
+    sum_payloads_meta<c10::BFloat16>(blob.data_ptr<uint8_t>(), p, rows, slots, base, out);
+  } else {
+    sum_payloads_meta<float>(blob.data_ptr<uint8_t>(), p, rows, slots, base, out);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -400,4 +715,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_into", &dequantize_into, "decode (or add) packed codes into out");
   m.def("sign_pack", &sign_pack, "sign bits, MSB first, per chunk padded to bytes");
   m.def("sign_unpack", &sign_unpack, "scale_c * (+-1) into out");
+  m.def("encode_payloads", &encode_payloads, "encode one chunk per slot into consecutive payloads");
+  m.def("decode_payloads", &decode_payloads, "decode consecutive payloads into chunks of out");
+  m.def("sum_payloads", &sum_payloads, "out = base + every decoded payload, summed in fp32");
 }

@@ -10,6 +10,8 @@
 // division per bucket, never per element) and encodes and packs its groups, so x is read once.
 // Other buckets: a warp-per-bucket grid pass into a double workspace, then one thread per group.
 // Dequantize: one thread per group of 8 codes, 16-byte stores of the decoded values.
+// Fused payloads (encode_payloads, decode_payloads, sum_payloads): one launch per call over every
+// slot and segment, driven by the layout table of quant_payload.h (see the section's comment).
 #include "quant_common.h"
 #include "quant_cuda.h"
 #include "quant_cuda_device.cuh"
@@ -333,6 +335,266 @@ cudaError_t dequantize_meta(const uint8_t* codes, const void* lo, const void* sc
   }
 }
 
+// ---- fused payloads (quant_payload.h) -------------------------------------------------------------
+//
+// Encode: one warp per cell, a run of lcm(bucket, 8) elements of one quantized segment (whole
+// buckets and whole groups of 8 codes, so every byte has one writer), or of RAW_CELL_NUMEL elements
+// of a raw segment. The warp reduces each bucket of its cell (at most 8) with shuffles, then every
+// lane encodes and packs whole groups; the cell is read twice, the second time mostly from L1/L2.
+// Decode and sum: one thread per group of 8 elements of a segment (decode: per slot too; sum: it
+// loops over the slots in order, accumulating in fp32 registers). Work items map to segments by a
+// binary search over the table's cumulative cell/group offsets.
+
+namespace pl = qaccel::payload;
+
+// The last segment whose first work item (column `column`) is <= item: the one holding it.
+__device__ __forceinline__ int64_t find_segment(const int64_t* __restrict__ rows, int64_t num_segments, int column,
+                                                int64_t item) {
+  int64_t lo = 0, hi = num_segments - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (rows[mid * pl::kRowLen + column] <= item) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+__device__ __forceinline__ float load_any(const void* p, int dtype, int64_t i) {
+  switch (dtype) {
+    case 0: return F32::load(static_cast<const float*>(p), i);
+    case 1: return BF16::load(static_cast<const uint16_t*>(p), i);
+    default: return F16::load(static_cast<const uint16_t*>(p), i);
+  }
+}
+
+// Word accesses only where the address allows them: a segment's codes start at any byte.
+__device__ __forceinline__ bool packed_aligned(const uint8_t* p, int bits) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  return (bits == 8 && (a & 7u) == 0) || (bits == 4 && (a & 3u) == 0) || (bits == 2 && (a & 1u) == 0);
+}
+
+__device__ __forceinline__ void store_packed_any(uint8_t* dst, uint64_t word, int bits) {
+  if (packed_aligned(dst, bits)) {
+    store_packed(dst, word, bits);
+  } else {
+    for (int k = 0; k < bits; ++k) dst[k] = static_cast<uint8_t>(word >> (8 * k));
+  }
+}
+
+template <typename Tag>
+__global__ void __launch_bounds__(kThreads) encode_payloads_kernel(const typename Tag::T* __restrict__ src,
+                                                                   pl::Params p, const int64_t* __restrict__ rows,
+                                                                   const int64_t* __restrict__ slot_info,
+                                                                   int64_t slots, uint8_t* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t total = slots * p.cells_per_slot;
+  const double levels = static_cast<double>((1 << p.bits) - 1);
+  const int64_t meta_size = p.meta_bf16 ? 2 : 4;
+  for (int64_t w = first_warp; w < total; w += warps) {  // warp-uniform: every lane takes the same path
+    const int64_t slot = w / p.cells_per_slot, cell = w - slot * p.cells_per_slot;
+    uint8_t* blob = out + slot * p.nbytes;
+    const int64_t* info = slot_info + slot * (1 + p.num_segments);
+    if (cell == 0 && lane == 0) {  // padding bytes, so payloads are deterministic byte for byte
+      for (int64_t i = p.code_bytes; i < p.meta_offset; ++i) blob[i] = 0;
+      for (int64_t i = p.raw_offset + p.raw_bytes; i < p.nbytes; ++i) blob[i] = 0;
+    }
+    const int64_t seg = find_segment(rows, p.num_segments, pl::kCellOffset, cell);
+    const int64_t* row = rows + seg * pl::kRowLen;
+    const int64_t n = row[pl::kSegNumel], k = cell - row[pl::kCellOffset];
+    const typename Tag::T* x = src + info[0] + row[pl::kElemOffset];
+    if (!row[pl::kQuantized]) {  // raw: copy the element bits
+      const int64_t begin = k * p.raw_cell_numel, end = min(n, begin + p.raw_cell_numel);
+      auto* dst = reinterpret_cast<typename Tag::T*>(blob + row[pl::kRawByteOffset]);
+      for (int64_t e = begin + lane; e < end; e += 32) dst[e] = x[e];
+      continue;
+    }
+    const uint64_t seed = static_cast<uint64_t>(info[1 + seg]);
+    const int64_t begin = k * p.cell_numel, end = min(n, begin + p.cell_numel);
+    const int64_t first_bucket = begin / p.bucket;  // cells start on bucket boundaries
+    const int buckets = static_cast<int>((end - begin + p.bucket - 1) / p.bucket);  // <= 8
+    uint8_t* lo = blob + p.meta_offset + meta_size * row[pl::kBucketOffset];
+    uint8_t* scale = lo + meta_size * p.num_buckets;
+    double grid_lo[8], grid_inv[8];
+    for (int j = 0; j < buckets; ++j) {
+      const int64_t bs = begin + j * p.bucket, be = min(end, bs + p.bucket);
+      MinMax extremes;
+      for (int64_t e = bs + lane; e < be; e += 32) extremes.add(Tag::load(x, e));
+      extremes.warp_reduce();
+      const BucketGrid grid = extremes.grid(p.bits, p.meta_bf16);
+      if (lane == 0) store_meta(grid, p.meta_bf16, lo, scale, first_bucket + j);
+      grid_lo[j] = grid.lo64;
+      grid_inv[j] = grid.inv;
+    }
+    uint8_t* codes = blob + row[pl::kCodeOffset];
+    const int64_t groups = (end - begin + 7) >> 3;
+    for (int64_t g = lane; g < groups; g += 32) {
+      const int64_t e0 = begin + 8 * g;  // groups never cross hi32(index): 2**32 is a multiple of 8
+      const uint32_t key = qaccel::rng_key(seed, static_cast<uint32_t>(static_cast<uint64_t>(e0) >> 32));
+      int j = static_cast<int>((e0 - begin) / p.bucket);
+      int64_t offset = (e0 - begin) - j * p.bucket;
+      uint64_t word = 0;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const int64_t e = e0 + q;
+        if (e < end) {
+          const double u = p.nearest ? 0.5 : qaccel::rng_uniform(key, static_cast<uint32_t>(e));
+          const uint32_t code =
+              qaccel::encode_value(static_cast<double>(Tag::load(x, e)), grid_lo[j], grid_inv[j], u, levels);
+          word |= static_cast<uint64_t>(code) << (p.bits * q);
+        }
+        if (++offset == p.bucket) offset = 0, ++j;
+      }
+      store_packed_any(codes + (e0 >> 3) * p.bits, word, p.bits);
+    }
+  }
+}
+
+// Decoded values of the group of 8 starting at e0 of a quantized segment of n elements.
+template <typename MetaTag>
+__device__ __forceinline__ void decode_payload_group(const uint8_t* blob, const pl::Params& p, const int64_t* row,
+                                                     int64_t e0, int64_t n, float v[8]) {
+  const uint8_t* packed = blob + row[pl::kCodeOffset] + (e0 >> 3) * p.bits;
+  const uint64_t word = load_packed(packed, p.bits, packed_aligned(packed, p.bits));
+  const uint64_t mask = (1ull << p.bits) - 1ull;
+  const auto* lo = reinterpret_cast<const typename MetaTag::T*>(blob + p.meta_offset) + row[pl::kBucketOffset];
+  const auto* scale = lo + p.num_buckets;
+  int64_t b = bucket_of(e0, p.bucket);
+  int64_t offset = e0 - b * p.bucket;
+  if (offset + 8 <= p.bucket) {  // the whole group lies in one bucket
+    const double lo64 = MetaTag::load(lo, b), scale64 = MetaTag::load(scale, b);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      v[j] = qaccel::decode_value(lo64, scale64, static_cast<uint32_t>((word >> (p.bits * j)) & mask));
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const bool real = e0 + j < n;  // padding codes may point past the last bucket
+    v[j] = real ? qaccel::decode_value(MetaTag::load(lo, b), MetaTag::load(scale, b),
+                                       static_cast<uint32_t>((word >> (p.bits * j)) & mask))
+                : 0.0f;
+    if (++offset == p.bucket) offset = 0, ++b;
+  }
+}
+
+template <typename MetaTag, typename OutTag>
+__global__ void __launch_bounds__(kThreads) decode_payloads_kernel(const uint8_t* __restrict__ blob_all, pl::Params p,
+                                                                   const int64_t* __restrict__ rows,
+                                                                   const int64_t* __restrict__ offsets, int64_t slots,
+                                                                   typename OutTag::T* __restrict__ out) {
+  const int64_t total = slots * p.groups_per_slot;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += stride) {
+    const int64_t slot = t / p.groups_per_slot, group = t - slot * p.groups_per_slot;
+    const int64_t seg = find_segment(rows, p.num_segments, pl::kGroupOffset, group);
+    const int64_t* row = rows + seg * pl::kRowLen;
+    const int64_t n = row[pl::kSegNumel], e0 = 8 * (group - row[pl::kGroupOffset]);
+    const uint8_t* blob = blob_all + slot * p.nbytes;
+    typename OutTag::T* dst = out + offsets[slot] + row[pl::kElemOffset];
+    if (!row[pl::kQuantized]) {
+      const uint8_t* raw = blob + row[pl::kRawByteOffset];
+      if (p.elem_dtype == OutTag::kDtype) {  // bit copy, as Tensor.copy_ between equal dtypes
+        const auto* src = reinterpret_cast<const typename OutTag::T*>(raw);
+        for (int j = 0; j < 8 && e0 + j < n; ++j) dst[e0 + j] = src[e0 + j];
+      } else {
+        for (int j = 0; j < 8 && e0 + j < n; ++j) OutTag::store(dst, e0 + j, load_any(raw, p.elem_dtype, e0 + j));
+      }
+      continue;
+    }
+    float v[8];
+    decode_payload_group<MetaTag>(blob, p, row, e0, n, v);
+    if (e0 + 8 <= n && (reinterpret_cast<uintptr_t>(dst + e0) & 15u) == 0) {
+      store8<OutTag>(dst + e0, v);
+    } else {
+      for (int j = 0; j < 8 && e0 + j < n; ++j) OutTag::store(dst, e0 + j, v[j]);
+    }
+  }
+}
+
+// No __restrict__ on base/out: they may be the same tensor (each thread reads its elements first).
+template <typename MetaTag, typename OutTag>
+__global__ void __launch_bounds__(kThreads) sum_payloads_kernel(const uint8_t* __restrict__ blob_all, pl::Params p,
+                                                                const int64_t* __restrict__ rows, int64_t slots,
+                                                                const void* base, int base_dtype,
+                                                                typename OutTag::T* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; group < p.groups_per_slot;
+       group += stride) {
+    const int64_t seg = find_segment(rows, p.num_segments, pl::kGroupOffset, group);
+    const int64_t* row = rows + seg * pl::kRowLen;
+    const int64_t n = row[pl::kSegNumel], e0 = 8 * (group - row[pl::kGroupOffset]);
+    const int64_t first = row[pl::kElemOffset] + e0;
+    const int count = static_cast<int>(min(static_cast<int64_t>(8), n - e0));
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = j < count ? load_any(base, base_dtype, first + j) : 0.0f;
+    for (int64_t s = 0; s < slots; ++s) {  // slot order: ((base + d_0) + d_1) + ...
+      const uint8_t* blob = blob_all + s * p.nbytes;
+      if (!row[pl::kQuantized]) {
+        const uint8_t* raw = blob + row[pl::kRawByteOffset];
+        for (int j = 0; j < count; ++j) acc[j] = __fadd_rn(acc[j], load_any(raw, p.elem_dtype, e0 + j));
+        continue;
+      }
+      float v[8];
+      decode_payload_group<MetaTag>(blob, p, row, e0, n, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], v[j]);
+    }
+    for (int j = 0; j < count; ++j) OutTag::store(out, first + j, acc[j]);
+  }
+}
+
+template <typename Tag>
+cudaError_t encode_payloads_typed(const void* src, const pl::Params& p, const int64_t* rows, const int64_t* slot_info,
+                                  int64_t slots, uint8_t* out, cudaStream_t stream) {
+  const unsigned blocks = grid_for(slots * p.cells_per_slot, kWarpsPerBlock);
+  encode_payloads_kernel<Tag><<<blocks, kThreads, 0, stream>>>(static_cast<const typename Tag::T*>(src), p, rows,
+                                                                slot_info, slots, out);
+  return cudaGetLastError();
+}
+
+template <typename MetaTag, typename OutTag>
+cudaError_t decode_payloads_typed(const uint8_t* blob, const pl::Params& p, const int64_t* rows,
+                                  const int64_t* offsets, int64_t slots, void* out, cudaStream_t stream) {
+  decode_payloads_kernel<MetaTag, OutTag><<<grid_for(slots * p.groups_per_slot, kThreads), kThreads, 0, stream>>>(
+      blob, p, rows, offsets, slots, static_cast<typename OutTag::T*>(out));
+  return cudaGetLastError();
+}
+
+template <typename MetaTag>
+cudaError_t decode_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* offsets,
+                                 int64_t slots, void* out, Dtype out_dtype, cudaStream_t stream) {
+  switch (out_dtype) {
+    case Dtype::kFloat32: return decode_payloads_typed<MetaTag, F32>(blob, p, rows, offsets, slots, out, stream);
+    case Dtype::kBFloat16: return decode_payloads_typed<MetaTag, BF16>(blob, p, rows, offsets, slots, out, stream);
+    default: return decode_payloads_typed<MetaTag, F16>(blob, p, rows, offsets, slots, out, stream);
+  }
+}
+
+template <typename MetaTag, typename OutTag>
+cudaError_t sum_payloads_typed(const uint8_t* blob, const pl::Params& p, const int64_t* rows, int64_t slots,
+                               const void* base, Dtype base_dtype, void* out, cudaStream_t stream) {
+  sum_payloads_kernel<MetaTag, OutTag><<<grid_for(p.groups_per_slot, kThreads), kThreads, 0, stream>>>(
+      blob, p, rows, slots, base, static_cast<int>(base_dtype), static_cast<typename OutTag::T*>(out));
+  return cudaGetLastError();
+}
+
+template <typename MetaTag>
+cudaError_t sum_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, int64_t slots,
+                              const void* base, Dtype base_dtype, void* out, Dtype out_dtype, cudaStream_t stream) {
+  switch (out_dtype) {
+    case Dtype::kFloat32: return sum_payloads_typed<MetaTag, F32>(blob, p, rows, slots, base, base_dtype, out, stream);
+    case Dtype::kBFloat16:
+      return sum_payloads_typed<MetaTag, BF16>(blob, p, rows, slots, base, base_dtype, out, stream);
+    default: return sum_payloads_typed<MetaTag, F16>(blob, p, rows, slots, base, base_dtype, out, stream);
+  }
+}
+
 }  // namespace
 
 bool quantize_needs_workspace(const void* x, int64_t bucket) { return bucket % 8 != 0 || !aligned16(x); }
@@ -386,6 +648,30 @@ cudaError_t sign_unpack(const uint8_t* signs, const float* scales, int64_t chunk
   sign_unpack_kernel<<<grid_for(total, kThreads), kThreads, 0, stream>>>(signs, scales, chunk_numel, chunk_bytes,
                                                                          total, out);
   return cudaGetLastError();
+}
+
+cudaError_t encode_payloads(const void* src, const pl::Params& p, const int64_t* rows, const int64_t* slot_info,
+                            int64_t slots, uint8_t* out, cudaStream_t stream) {
+  if (slots <= 0 || p.cells_per_slot <= 0) return cudaSuccess;
+  switch (p.elem_dtype) {
+    case 0: return encode_payloads_typed<F32>(src, p, rows, slot_info, slots, out, stream);
+    case 1: return encode_payloads_typed<BF16>(src, p, rows, slot_info, slots, out, stream);
+    default: return encode_payloads_typed<F16>(src, p, rows, slot_info, slots, out, stream);
+  }
+}
+
+cudaError_t decode_payloads(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* offsets,
+                            int64_t slots, void* out, Dtype out_dtype, cudaStream_t stream) {
+  if (slots <= 0 || p.groups_per_slot <= 0) return cudaSuccess;
+  if (p.meta_bf16) return decode_payloads_meta<MetaBF16>(blob, p, rows, offsets, slots, out, out_dtype, stream);
+  return decode_payloads_meta<MetaF32>(blob, p, rows, offsets, slots, out, out_dtype, stream);
+}
+
+cudaError_t sum_payloads(const uint8_t* blob, const pl::Params& p, const int64_t* rows, int64_t slots,
+                         const void* base, Dtype base_dtype, void* out, Dtype out_dtype, cudaStream_t stream) {
+  if (p.groups_per_slot <= 0) return cudaSuccess;
+  if (p.meta_bf16) return sum_payloads_meta<MetaBF16>(blob, p, rows, slots, base, base_dtype, out, out_dtype, stream);
+  return sum_payloads_meta<MetaF32>(blob, p, rows, slots, base, base_dtype, out, out_dtype, stream);
 }
 
 }  // namespace qaccel_cuda

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "quant_payload.h"
+
 namespace qaccel_cuda {
 
 enum class Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -27,5 +29,19 @@ cudaError_t sign_pack(const void* x, Dtype dtype, int64_t chunks, int64_t chunk_
 
 cudaError_t sign_unpack(const uint8_t* signs, const float* scales, int64_t chunks, int64_t chunk_numel, float* out,
                         cudaStream_t stream);
+
+// Fused payloads (one launch each; qaccel/quant/_payload.py). `rows` points at the segment rows of
+// the device copy of the layout table; `p` holds its header. encode: `slot_info` is a device int64
+// [slots, 1 + segments] array: chunk offset in `src`, then the uint64 seed of every segment.
+cudaError_t encode_payloads(const void* src, const qaccel::payload::Params& p, const int64_t* rows,
+                            const int64_t* slot_info, int64_t slots, uint8_t* out, cudaStream_t stream);
+
+// decode: `offsets` is a device int64 [slots] array, the element offset of each slot's chunk in `out`.
+cudaError_t decode_payloads(const uint8_t* blob, const qaccel::payload::Params& p, const int64_t* rows,
+                            const int64_t* offsets, int64_t slots, void* out, Dtype out_dtype, cudaStream_t stream);
+
+// sum: out = fp32(base) + every payload's decoded values in slot order, rounded once; base may be out.
+cudaError_t sum_payloads(const uint8_t* blob, const qaccel::payload::Params& p, const int64_t* rows, int64_t slots,
+                         const void* base, Dtype base_dtype, void* out, Dtype out_dtype, cudaStream_t stream);
 
 }  // namespace qaccel_cuda

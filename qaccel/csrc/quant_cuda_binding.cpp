@@ -10,6 +10,7 @@
 
 #include "quant_checks.h"
 #include "quant_cuda.h"
+#include "quant_payload.h"
 
 namespace {
 
@@ -112,6 +113,92 @@ torch::Tensor sign_unpack(torch::Tensor signs, torch::Tensor scales, int64_t num
   return out;
 }
 
+// ---- fused payloads: the host table gives the launch parameters, the device table the rows -------
+
+namespace pl = qaccel::payload;
+
+Dtype dtype_of_code(int code) { return code == 0 ? Dtype::kFloat32 : (code == 1 ? Dtype::kBFloat16 : Dtype::kFloat16); }
+
+pl::Params payload_params(const torch::Tensor& host_table, const torch::Tensor& device_table,
+                          const torch::Tensor& like) {
+  TORCH_CHECK(host_table.device().is_cpu() && host_table.is_contiguous() && host_table.scalar_type() == at::kLong &&
+                  host_table.numel() >= pl::kHeaderLen,
+              "host_table: must be a PayloadSpec table on the CPU");
+  const pl::Params p = pl::read_params(host_table.data_ptr<int64_t>());
+  TORCH_CHECK(host_table.numel() == pl::kHeaderLen + p.num_segments * pl::kRowLen, "host_table: ", host_table.numel(),
+              " entries do not match its ", p.num_segments, " segments");
+  check_cuda(device_table, "device_table");
+  TORCH_CHECK(device_table.scalar_type() == at::kLong && device_table.numel() == host_table.numel() &&
+                  device_table.device() == like.device(),
+              "device_table: must be the same table on ", like.device());
+  qaccel::check_codec_args(p.bits, p.bucket);
+  return p;
+}
+
+const int64_t* device_rows(const torch::Tensor& device_table) {
+  return device_table.data_ptr<int64_t>() + pl::kHeaderLen;
+}
+
+torch::Tensor encode_payloads(torch::Tensor src, torch::Tensor host_table, torch::Tensor device_table,
+                              torch::Tensor slot_info, torch::Tensor out, int64_t stream) {
+  check_cuda(src, "src");
+  check_cuda(slot_info, "slot_info");
+  check_cuda(out, "out");
+  const Dtype dtype = float_dtype(src, "src");
+  const pl::Params p = payload_params(host_table, device_table, src);
+  TORCH_CHECK(static_cast<int>(dtype) == p.elem_dtype, "src.dtype=", src.scalar_type(),
+              ": must be the spec's element dtype");
+  TORCH_CHECK(slot_info.scalar_type() == at::kLong && slot_info.dim() == 2 && slot_info.size(1) == 1 + p.num_segments,
+              "slot_info: expected int64 [slots, ", 1 + p.num_segments, "]");
+  const int64_t slots = slot_info.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.numel() == slots * p.nbytes, "out: expected ", slots * p.nbytes,
+              " uint8 bytes");
+  TORCH_CHECK(src.device() == out.device() && slot_info.device() == out.device(), "src, slot_info, out: one device");
+  check_launch(qaccel_cuda::encode_payloads(src.data_ptr(), p, device_rows(device_table),
+                                            slot_info.data_ptr<int64_t>(), slots, out.data_ptr<uint8_t>(),
+                                            as_stream(stream)),
+               "encode_payloads");
+  return out;
+}
+
+torch::Tensor decode_payloads(torch::Tensor blob, torch::Tensor host_table, torch::Tensor device_table,
+                              torch::Tensor out, torch::Tensor offsets, int64_t stream) {
+  check_cuda(blob, "blob");
+  check_cuda(out, "out");
+  check_cuda(offsets, "offsets");
+  const Dtype out_dtype = float_dtype(out, "out");
+  const pl::Params p = payload_params(host_table, device_table, out);
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1, "offsets: expected int64 [slots]");
+  const int64_t slots = offsets.numel();
+  TORCH_CHECK(blob.scalar_type() == at::kByte && blob.numel() == slots * p.nbytes, "blob: expected ",
+              slots * p.nbytes, " uint8 bytes");
+  TORCH_CHECK(blob.device() == out.device() && offsets.device() == out.device(), "blob, offsets, out: one device");
+  check_launch(qaccel_cuda::decode_payloads(blob.data_ptr<uint8_t>(), p, device_rows(device_table),
+                                            offsets.data_ptr<int64_t>(), slots, out.data_ptr(), out_dtype,
+                                            as_stream(stream)),
+               "decode_payloads");
+  return out;
+}
+
+torch::Tensor sum_payloads(torch::Tensor blob, torch::Tensor host_table, torch::Tensor device_table,
+                           torch::Tensor base, torch::Tensor out, int64_t stream) {
+  check_cuda(blob, "blob");
+  check_cuda(base, "base");
+  check_cuda(out, "out");
+  const Dtype base_dtype = float_dtype(base, "base");
+  const Dtype out_dtype = float_dtype(out, "out");
+  const pl::Params p = payload_params(host_table, device_table, out);
+  TORCH_CHECK(base.numel() == p.numel && out.numel() == p.numel, "base/out: expected ", p.numel, " elements");
+  TORCH_CHECK(blob.scalar_type() == at::kByte && (p.nbytes == 0 ? blob.numel() == 0 : blob.numel() % p.nbytes == 0),
+              "blob: expected a whole number of ", p.nbytes, "-byte payloads");
+  TORCH_CHECK(blob.device() == out.device() && base.device() == out.device(), "blob, base, out: one device");
+  const int64_t slots = p.nbytes == 0 ? 0 : blob.numel() / p.nbytes;
+  check_launch(qaccel_cuda::sum_payloads(blob.data_ptr<uint8_t>(), p, device_rows(device_table), slots,
+                                         base.data_ptr(), base_dtype, out.data_ptr(), out_dtype, as_stream(stream)),
+               "sum_payloads");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -120,4 +207,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_into", &dequantize_into, "decode (or add) packed codes into out");
   m.def("sign_pack", &sign_pack, "sign bits, MSB first, per chunk padded to bytes");
   m.def("sign_unpack", &sign_unpack, "scale_c * (+-1) into out");
+  m.def("encode_payloads", &encode_payloads, "encode one chunk per slot into consecutive payloads (one launch)");
+  m.def("decode_payloads", &decode_payloads, "decode consecutive payloads into chunks of out (one launch)");
+  m.def("sum_payloads", &sum_payloads, "out = base + every decoded payload, summed in fp32 (one launch)");
 }

@@ -18,14 +18,17 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 // ---- element access ----------------------------------------------------------------------------
 
+// kDtype: the Dtype code (quant_cuda.h), also the payload table's element dtype code.
 struct F32 {
   using T = float;
+  static constexpr int kDtype = 0;
   static __device__ __forceinline__ float load(const T* p, int64_t i) { return p[i]; }
   static __device__ __forceinline__ void store(T* p, int64_t i, float v) { p[i] = v; }
 };
 
 struct BF16 {
   using T = uint16_t;
+  static constexpr int kDtype = 1;
   static __device__ __forceinline__ float load(const T* p, int64_t i) { return qaccel::bf16_bits_to_float(p[i]); }
   static __device__ __forceinline__ uint16_t bits(float v) {
     // Round to nearest even as c10::BFloat16(float) does on the device (NaN -> 0x7FFF).
@@ -38,6 +41,7 @@ struct BF16 {
 
 struct F16 {
   using T = uint16_t;
+  static constexpr int kDtype = 2;
   static __device__ __forceinline__ float load(const T* p, int64_t i) { return __half2float(__ushort_as_half(p[i])); }
   static __device__ __forceinline__ uint16_t bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
   static __device__ __forceinline__ void store(T* p, int64_t i, float v) { p[i] = bits(v); }

@@ -6,6 +6,8 @@ reproduce it bit for bit. Nothing compiles at import.
 
 from . import reference
 from ._api import dequantize, quantize, sign_compress, sign_decompress
+from ._payload import PayloadSpec
+from ._payload_api import decode_payloads, encode_payloads, sum_payloads
 from ._types import (
     META_DTYPES,
     ROUNDINGS,
@@ -21,6 +23,10 @@ __all__ = [
     "dequantize",
     "sign_compress",
     "sign_decompress",
+    "PayloadSpec",
+    "encode_payloads",
+    "decode_payloads",
+    "sum_payloads",
     "QuantizedTensor",
     "SignCompressed",
     "packed_code_bytes",

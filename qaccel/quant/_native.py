@@ -59,7 +59,7 @@ NATIVE_BACKENDS = ("cpu", "cuda")
 CACHE_ENV = "QACCEL_CACHE_DIR"
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = {"cpu": ("quant_cpu.cpp",), "cuda": ("quant_cuda_binding.cpp", "quant_cuda.cu")}
-_HEADERS = ("quant_checks.h", "quant_common.h", "quant_cpu_avx512.h", "quant_cuda.h")
+_HEADERS = ("quant_checks.h", "quant_common.h", "quant_cpu_avx512.h", "quant_cuda.h", "quant_cuda_device.cuh", "quant_payload.h")
 _outcomes: dict[str, tuple[bool, str | None]] = {}  # backend -> (loaded, reason) of try_load
 _build_lock = threading.Lock()
 _STALE_LOCK_SECONDS = 900
@@ -303,7 +303,17 @@ def _bind_cpu(kernels: ModuleType, extension: ModuleType) -> None:
     def sign_unpack(signs, scales, numel, out):
         return extension.sign_unpack(signs, scales, numel, out)
 
-    _install(kernels, quantize_buckets, dequantize_into, sign_pack, sign_unpack)
+    def encode_payloads(src, spec, src_offsets, seeds, out):
+        return extension.encode_payloads(src, spec.table("cpu"), _offsets_tensor(src_offsets), seeds, out)
+
+    def decode_payloads(blob, spec, out, out_offsets):
+        return extension.decode_payloads(blob, spec.table("cpu"), out, _offsets_tensor(out_offsets))
+
+    def sum_payloads(blob, spec, base, out):
+        return extension.sum_payloads(blob, spec.table("cpu"), base, out)
+
+    _install(kernels, quantize_buckets, dequantize_into, sign_pack, sign_unpack, encode_payloads, decode_payloads,
+             sum_payloads)  # fmt: skip
 
 
 def _bind_cuda(kernels: ModuleType, extension: ModuleType) -> None:
@@ -333,7 +343,38 @@ def _bind_cuda(kernels: ModuleType, extension: ModuleType) -> None:
         with torch.cuda.device(out.device):
             return extension.sign_unpack(signs, scales, numel, out, _stream(out.device))
 
-    _install(kernels, quantize_buckets, dequantize_into, sign_pack, sign_unpack)
+    # The fused calls read the layout table from device memory (copied once per spec and device) and
+    # one small per-call slot table: [slots, 1 + segments] = chunk offset, then the segment seeds.
+    def encode_payloads(src, spec, src_offsets, seeds, out):
+        with torch.cuda.device(src.device):
+            offsets = _offsets_tensor(src_offsets).view(-1, 1)
+            if seeds.device.type == "cpu":
+                slot_info = torch.cat([offsets, seeds], dim=1).to(src.device)
+            else:
+                slot_info = torch.cat([offsets.to(src.device), seeds], dim=1)
+            return extension.encode_payloads(src, spec.table("cpu"), spec.table(src.device), slot_info, out,
+                                             _stream(src.device))  # fmt: skip
+
+    def decode_payloads(blob, spec, out, out_offsets):
+        with torch.cuda.device(out.device):
+            offsets = _offsets_tensor(out_offsets).to(out.device)
+            return extension.decode_payloads(blob, spec.table("cpu"), spec.table(out.device), out, offsets,
+                                             _stream(out.device))  # fmt: skip
+
+    def sum_payloads(blob, spec, base, out):
+        with torch.cuda.device(out.device):
+            return extension.sum_payloads(blob, spec.table("cpu"), spec.table(out.device), base, out,
+                                          _stream(out.device))  # fmt: skip
+
+    _install(kernels, quantize_buckets, dequantize_into, sign_pack, sign_unpack, encode_payloads, decode_payloads,
+             sum_payloads)  # fmt: skip
+
+
+def _offsets_tensor(offsets) -> torch.Tensor:
+    """Per-slot element offsets as a CPU int64 tensor (the fused payload calls take a list or a tensor)."""
+    if isinstance(offsets, torch.Tensor):
+        return offsets.detach().to("cpu", torch.int64).reshape(-1).contiguous()
+    return torch.tensor(list(offsets), dtype=torch.int64)
 
 
 def _install(kernels: ModuleType, *functions) -> None:

@@ -31,10 +31,15 @@ flat tensor split into buckets of ``bucket_size`` elements (the last may be shor
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._rng import uniform_from_counter
+
+if TYPE_CHECKING:
+    from ._payload import PayloadSpec
 
 __all__ = [
     "quantize_buckets",
@@ -44,6 +49,9 @@ __all__ = [
     "sign_pack",
     "sign_unpack",
     "chunk_rms",
+    "encode_payloads",
+    "decode_payloads",
+    "sum_payloads",
     "round_down_to",
     "round_up_to",
 ]
@@ -208,4 +216,88 @@ def sign_unpack(signs: torch.Tensor, scales: torch.Tensor, numel: int, out: torc
     bits = (signs.view(chunks, chunk_bytes, 1).to(torch.int64) >> shifts) & 1  # (chunks, bytes, 8)
     pm_one = (bits.view(chunks, chunk_bytes * 8)[:, :chunk_numel] * 2 - 1).to(torch.float32)
     out.view(chunks, chunk_numel).copy_(pm_one * scales.to(torch.float32).view(chunks, 1))
+    return out
+
+
+# -- fused payloads (layout: qaccel.quant._payload.PayloadSpec) --------------------------------------
+
+
+def _payload_parts(blob: torch.Tensor, spec: PayloadSpec, index: int):
+    """Views of segment ``index`` in one payload: ``(codes, lo, scale)`` or the raw elements."""
+    numel, quantized = spec.segments[index]
+    if not quantized:
+        start = spec.raw_offsets[index]
+        return blob[start : start + numel * spec.elem_itemsize].view(spec.elem_dtype)
+    meta_bytes = spec.meta_itemsize * spec.num_buckets
+    lo_all = blob[spec.meta_offset : spec.meta_offset + meta_bytes].view(spec.meta_dtype)
+    scale_all = blob[spec.meta_offset + meta_bytes : spec.raw_offset].view(spec.meta_dtype)
+    first, count = spec.bucket_offsets[index], math.ceil(numel / spec.bucket_size)
+    codes_start = spec.code_offsets[index]
+    codes = blob[codes_start : codes_start + spec.bits * math.ceil(numel / 8)]
+    return codes, lo_all[first : first + count], scale_all[first : first + count]
+
+
+def encode_payloads(
+    src: torch.Tensor, spec: PayloadSpec, src_offsets: Sequence[int], seeds: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Encode chunk ``src[src_offsets[s]:][:spec.numel]`` into payload ``s`` of ``out``; pre-validated.
+
+    Segment ``i`` of slot ``s`` is quantized with the uint64 seed held (as int64 bits) in
+    ``seeds[s, i]``, exactly as :func:`quantize_buckets` would on the segment alone.
+    """
+    nbytes = spec.nbytes
+    seed_rows = seeds.tolist()
+    for slot, start in enumerate(src_offsets):
+        blob = out[slot * nbytes : (slot + 1) * nbytes]
+        for index, (numel, quantized) in enumerate(spec.segments):
+            first = int(start) + spec.elem_offsets[index]
+            segment = src[first : first + numel]
+            if not quantized:
+                _payload_parts(blob, spec, index).copy_(segment)
+                continue
+            codes, lo, scale = quantize_buckets(
+                segment, spec.bits, spec.bucket_size, spec.nearest, seed_rows[slot][index] & 0xFFFFFFFFFFFFFFFF,
+                spec.meta_dtype,
+            )
+            view_codes, view_lo, view_scale = _payload_parts(blob, spec, index)
+            view_codes.copy_(codes)
+            view_lo.copy_(lo)
+            view_scale.copy_(scale)
+        blob[spec.code_bytes : spec.meta_offset].zero_()
+        blob[spec.raw_offset + spec.raw_bytes :].zero_()
+    return out
+
+
+def decode_payloads(blob: torch.Tensor, spec: PayloadSpec, out: torch.Tensor, out_offsets: Sequence[int]) -> torch.Tensor:
+    """Decode payload ``s`` of ``blob`` into ``out[out_offsets[s]:][:spec.numel]`` (overwrite); pre-validated."""
+    nbytes = spec.nbytes
+    for slot, start in enumerate(out_offsets):
+        payload = blob[slot * nbytes : (slot + 1) * nbytes]
+        for index, (numel, quantized) in enumerate(spec.segments):
+            first = int(start) + spec.elem_offsets[index]
+            target = out[first : first + numel]
+            parts = _payload_parts(payload, spec, index)
+            if quantized:
+                dequantize_into(*parts, spec.bits, spec.bucket_size, target, False)
+            else:
+                target.copy_(parts)
+    return out
+
+
+def sum_payloads(blob: torch.Tensor, spec: PayloadSpec, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = base + payload_0 + payload_1 + ...`` summed in fp32 in slot order, rounded once; pre-validated."""
+    nbytes = spec.nbytes
+    total = base.reshape(-1).to(torch.float32, copy=True)
+    slots = blob.numel() // nbytes if nbytes else 0
+    for slot in range(slots):
+        payload = blob[slot * nbytes : (slot + 1) * nbytes]
+        for index, (numel, quantized) in enumerate(spec.segments):
+            first = spec.elem_offsets[index]
+            target = total[first : first + numel]
+            parts = _payload_parts(payload, spec, index)
+            if quantized:
+                dequantize_into(*parts, spec.bits, spec.bucket_size, target, True)
+            else:
+                target.add_(parts.to(torch.float32))
+    out.reshape(-1).copy_(total)
     return out

@@ -34,7 +34,8 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
     if shutil.which("nm"):
         symbols = _run(["nm", "-C", str(obj)]).stdout
         for launcher in ("qaccel_cuda::quantize(", "qaccel_cuda::dequantize(", "qaccel_cuda::sign_pack(",
-                         "qaccel_cuda::sign_unpack("):  # fmt: skip
+                         "qaccel_cuda::sign_unpack(", "qaccel_cuda::encode_payloads(", "qaccel_cuda::decode_payloads(",
+                         "qaccel_cuda::sum_payloads("):  # fmt: skip
             assert launcher in symbols, launcher
 
 

@@ -1,6 +1,7 @@
 """Collectives built on the codecs, and exact wire-byte accounting."""
 
 from ._accounting import CollectiveTally, WireMeter, default_meter, ring_all_gather_bytes, ring_all_reduce_bytes
+from ._buffers import BufferPool
 from ._ddp_hooks import metered_allreduce_hook
 from ._onebit import (
     ONEBIT_PADDINGS,
@@ -10,7 +11,9 @@ from ._onebit import (
     onebit_layout,
     onebit_wire_bytes,
 )
+from ._phases import PHASES, PhaseTimer, PhaseTotals
 from ._quantized import (
+    DecodeOnWait,
     PayloadLayout,
     WireCodec,
     counted_all_gather,
@@ -23,6 +26,11 @@ from ._quantized import (
 )
 
 __all__ = [
+    "BufferPool",
+    "DecodeOnWait",
+    "PHASES",
+    "PhaseTimer",
+    "PhaseTotals",
     "CollectiveTally",
     "WireMeter",
     "default_meter",

@@ -15,14 +15,18 @@ matrix. Raw segments (1-D or tiny parameters) travel unquantized. The codec math
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
 
-from ..quant import QuantizedTensor, dequantize, quantize
+from ..quant import PayloadSpec, QuantizedTensor, decode_payloads, dequantize, encode_payloads, quantize, sum_payloads
 from ..quant import packed_code_bytes as _packed_code_bytes
 from ._accounting import WireMeter
+from ._buffers import BufferPool
+from ._phases import PhaseTimer
 
 __all__ = [
     "WireCodec",
@@ -32,6 +36,7 @@ __all__ = [
     "decode_chunk",
     "quantized_all_gather",
     "quantized_reduce_scatter",
+    "DecodeOnWait",
     "counted_all_gather",
     "counted_reduce_scatter",
 ]
@@ -132,6 +137,19 @@ class PayloadLayout:
     def elem_itemsize(self) -> int:
         return torch.empty((), dtype=self.elem_dtype).element_size()
 
+    @cached_property
+    def spec(self) -> PayloadSpec:
+        """The same layout for the fused codec calls of :mod:`qaccel.quant` (built once per layout)."""
+        codec = self.codec
+        return PayloadSpec(
+            segments=tuple((int(n), bool(q)) for n, q in self.segments),
+            bits=codec.bits,
+            bucket_size=codec.bucket_size,
+            meta_dtype=codec.meta_dtype,
+            rounding=codec.rounding,
+            elem_dtype=self.elem_dtype,
+        )
+
     @property
     def meta_offset(self) -> int:
         return _align4(self.code_bytes)
@@ -216,6 +234,57 @@ def decode_chunk(blob: torch.Tensor, layout: PayloadLayout, out: torch.Tensor, a
     return out
 
 
+def _seed_table(slot_seeds: list[int], num_segments: int) -> torch.Tensor:
+    """``[slots, segments]`` int64 holding the uint64 bits of ``mix_seed(slot_seed, segment)``."""
+    rows = []
+    for slot_seed in slot_seeds:
+        row = []
+        for index in range(num_segments):
+            value = mix_seed(slot_seed, index)
+            row.append(value - (1 << 64) if value >= (1 << 63) else value)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(slot_seeds), num_segments)
+
+
+def _staging(buffers: BufferPool | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    if buffers is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffers.get(nbytes, torch.uint8, device)
+
+
+@contextmanager
+def _timed(timer: PhaseTimer | None, kind: str, phase: str, device: torch.device):
+    if timer is None:
+        yield
+    else:
+        with timer.phase(kind, phase, device):
+            yield
+
+
+class DecodeOnWait(dist.Work):
+    """The work of an asynchronous quantized collective: ``wait()`` finishes the transport, then decodes.
+
+    FSDP2 waits on the work of a prefetched all-gather right before the unit's forward needs the
+    weights, so the transport overlaps the compute in between and the decode runs once, on wait.
+    """
+
+    def __init__(self, transport: dist.Work, finish) -> None:
+        super().__init__()
+        self._transport = transport
+        self._finish = finish
+        self._done = False
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's signature; the transport has its own
+        if not self._done:
+            self._transport.wait()
+            self._finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
 def quantized_all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -224,28 +293,44 @@ def quantized_all_gather(
     seed: int,
     meter: WireMeter,
     kind: str,
-) -> None:
+    *,
+    async_op: bool = False,
+    buffers: BufferPool | None = None,
+    timer: PhaseTimer | None = None,
+) -> DecodeOnWait | None:
     """All-gather quantized chunks: every rank, the owner too, decodes the same bytes.
 
-    ``input`` may alias ``output[rank*S:(rank+1)*S]`` (FSDP2 does this), so it is encoded before
-    ``output`` is written. Bytes recorded: ``(P-1) * layout.nbytes`` each way.
+    One fused encode call writes this rank's payload, one fused decode call writes every owner's
+    chunk straight into ``output`` (``docs/qsdp.md``, "Fused payload kernels"). ``input`` may alias
+    ``output[rank*S:(rank+1)*S]`` (FSDP2 does this): it is encoded before ``output`` is written.
+    With ``async_op`` the transport runs in the background and the returned work decodes on
+    ``wait()``. Bytes recorded: ``(P-1) * layout.nbytes`` each way.
     """
     world, rank = group.size(), group.rank()
     chunk_numel = input.numel()
     if output.numel() != world * chunk_numel:
         raise ValueError(f"quantized_all_gather (rank {rank}/{world}): output has {output.numel()} elements, expected {world * chunk_numel}")
-    blob = torch.empty(layout.nbytes, dtype=torch.uint8, device=input.device)
-    encode_chunk(input.reshape(-1), layout, seed, blob)
-    gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=input.device)
-    _all_gather_single()(gathered, blob, group=group)
-    meter.record(kind, sent_bytes=(world - 1) * layout.nbytes, recv_bytes=(world - 1) * layout.nbytes)
-    flat_out = output.view(-1)
-    for owner in range(world):
-        decode_chunk(
-            gathered[owner * layout.nbytes : (owner + 1) * layout.nbytes],
-            layout,
-            flat_out[owner * chunk_numel : (owner + 1) * chunk_numel],
-        )
+    spec, device = layout.spec, input.device
+    blob = _staging(buffers, spec.nbytes, device)
+    with _timed(timer, kind, "encode", device):
+        encode_payloads(input.reshape(-1), spec, [0], _seed_table([seed], len(spec.segments)), blob)
+    gathered = _staging(buffers, world * spec.nbytes, device)
+    meter.record(kind, sent_bytes=(world - 1) * spec.nbytes, recv_bytes=(world - 1) * spec.nbytes)
+    if timer is not None:
+        timer.count_call(kind)
+    offsets = [owner * chunk_numel for owner in range(world)]
+
+    def decode() -> None:
+        with _timed(timer, kind, "decode", device):
+            decode_payloads(gathered, spec, output.view(-1), offsets)
+
+    if async_op:
+        work = _all_gather_single()(gathered, blob, group=group, async_op=True)
+        return DecodeOnWait(work, decode)
+    with _timed(timer, kind, "transport", device):
+        _all_gather_single()(gathered, blob, group=group)
+    decode()
+    return None
 
 
 def quantized_reduce_scatter(
@@ -257,13 +342,20 @@ def quantized_reduce_scatter(
     meter: WireMeter,
     kind: str,
     divide_factor: float = 1.0,
-) -> None:
+    *,
+    async_op: bool = False,
+    buffers: BufferPool | None = None,
+    timer: PhaseTimer | None = None,
+) -> DecodeOnWait | None:
     """Reduce-scatter by all-to-all of quantized chunks and an fp32 sum (divided by ``divide_factor``).
 
     ``input`` holds ``P`` rank-ordered chunks; chunk ``j`` is encoded with ``seeds[j]`` and sent to
-    rank ``j``. The own chunk never leaves the rank and is added exactly. With the default
-    ``divide_factor=1`` this is a SUM; FSDP2 does its averaging afterwards. Bytes recorded:
-    ``(P-1) * layout.nbytes`` each way (a zero-length split for self keeps it off the wire).
+    rank ``j``: one fused encode call for every destination. The own chunk never leaves the rank;
+    one fused call adds the received chunks to it in fp32 and writes ``output`` (rounded once to its
+    dtype). With the default ``divide_factor=1`` this is a SUM; FSDP2 does its averaging
+    afterwards. With ``async_op`` the returned work finishes the transport and the sum on
+    ``wait()``. Bytes recorded: ``(P-1) * layout.nbytes`` each way (a zero-length split for self
+    keeps it off the wire).
     """
     world, rank = group.size(), group.rank()
     chunk_numel = output.numel()
@@ -272,21 +364,37 @@ def quantized_reduce_scatter(
             f"quantized_reduce_scatter (rank {rank}/{world}): input has {input.numel()} elements and "
             f"{len(seeds)} seeds, expected {world * chunk_numel} and {world}"
         )
-    chunks = input.view(world, chunk_numel)  # (world, chunk_numel), chunk j belongs to rank j
+    spec, device = layout.spec, input.device
+    flat_input = input.reshape(-1)
     others = [j for j in range(world) if j != rank]
-    send = torch.empty(len(others) * layout.nbytes, dtype=torch.uint8, device=input.device)
-    for slot, dest in enumerate(others):
-        encode_chunk(chunks[dest], layout, seeds[dest], send[slot * layout.nbytes : (slot + 1) * layout.nbytes])
-    recv = torch.empty_like(send)
-    splits = [0 if j == rank else layout.nbytes for j in range(world)]
-    dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group)
+    send = _staging(buffers, len(others) * spec.nbytes, device)
+    with _timed(timer, kind, "encode", device):
+        encode_payloads(flat_input, spec, [j * chunk_numel for j in others], _seed_table([seeds[j] for j in others], len(spec.segments)), send)
+    recv = _staging(buffers, send.numel(), device)
+    splits = [0 if j == rank else spec.nbytes for j in range(world)]
     meter.record(kind, sent_bytes=send.numel(), recv_bytes=recv.numel())
-    total = chunks[rank].to(torch.float32, copy=True)
-    for slot in range(len(others)):
-        decode_chunk(recv[slot * layout.nbytes : (slot + 1) * layout.nbytes], layout, total, accumulate=True)
-    if divide_factor != 1:
-        total.div_(divide_factor)
-    output.view(-1).copy_(total)
+    if timer is not None:
+        timer.count_call(kind)
+    own = flat_input[rank * chunk_numel : (rank + 1) * chunk_numel]
+    flat_out = output.view(-1)
+
+    def reduce() -> None:
+        with _timed(timer, kind, "decode", device):
+            if divide_factor == 1:
+                sum_payloads(recv, spec, own, flat_out)
+            else:
+                # Divide the fp32 sum before rounding to the output dtype (AVG): a rare path.
+                total = torch.empty(chunk_numel, dtype=torch.float32, device=device)
+                sum_payloads(recv, spec, own, total)
+                flat_out.copy_(total.div_(divide_factor))
+
+    if async_op:
+        work = dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True)
+        return DecodeOnWait(work, reduce)
+    with _timed(timer, kind, "transport", device):
+        dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group)
+    reduce()
+    return None
 
 
 def counted_all_gather(

@@ -2,6 +2,7 @@
 
 from ._comms import QuantizedAllGather, QuantizedReduceScatter, UnitPlan
 from ._install import QSDPHandle, install_qsdp
+from ._prefetch import apply_prefetch, clear_prefetch
 from ._seeds import SeedSchedule
 from ._units import FSDPUnit, find_units
 from .config import QSDPConfig
@@ -12,6 +13,8 @@ __all__ = [
     "QuantizedReduceScatter",
     "QSDPHandle",
     "install_qsdp",
+    "apply_prefetch",
+    "clear_prefetch",
     "SeedSchedule",
     "UnitPlan",
     "FSDPUnit",

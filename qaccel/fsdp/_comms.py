@@ -10,6 +10,7 @@ its bytes, so the hook path itself changes nothing.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import (
+    BufferPool,
     PayloadLayout,
+    PhaseTimer,
     WireCodec,
     WireMeter,
     counted_all_gather,
@@ -95,20 +98,37 @@ class UnitPlan:
 
 
 class _UnitComm:
-    """What both QSDP comms hold, and plain allocation for FSDP's own comm buffers.
+    """What both QSDP comms hold, and FSDP2's comm buffers from a pool that lives across steps.
 
-    FSDP allocates its all-gather / reduce-scatter buffers through ``allocate``; they come from the
-    default caching allocator (our staging blobs are separate).
+    FSDP2 allocates its flat all-gather output and reduce-scatter input through ``allocate``; on
+    CPU they come from the model's :class:`qaccel.comm.BufferPool` (so are our encoded blobs), which
+    hands a buffer out again once nothing refers to it. The reduce-scatter *output* is always
+    fresh: FSDP2 may keep it as the sharded gradient itself.
     """
 
-    def __init__(self, plan: UnitPlan, codec: WireCodec | None, seeds: SeedSchedule, meter: WireMeter) -> None:
+    def __init__(
+        self,
+        plan: UnitPlan,
+        codec: WireCodec | None,
+        seeds: SeedSchedule,
+        meter: WireMeter,
+        buffers: BufferPool | None = None,
+    ) -> None:
         self.plan = plan
         self.codec = codec if plan.enabled else None
         self.seeds = seeds
         self.meter = meter
+        self.buffers = buffers
+        self.timer: PhaseTimer | None = None  # set by benchmarks to split collectives into phases
+
+    def _poolable(self, numel: int) -> bool:
+        return True
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        numel = math.prod(size)
+        if self.buffers is None or not self._poolable(numel):
+            return torch.empty(*size, dtype=dtype, device=device)
+        return self.buffers.get(numel, dtype, device).view(*size)
 
 
 class QuantizedAllGather(_UnitComm, AllGather):
@@ -130,9 +150,11 @@ class QuantizedAllGather(_UnitComm, AllGather):
             return counted_all_gather(output_tensor, input_tensor, group, self.meter, KIND_FSDP_AG, async_op=async_op)
         layout = self.plan.layout(self.codec, input_tensor.numel(), input_tensor.dtype)
         seed = self.seeds.weight_seed(self.plan.index, group.rank())
-        # Synchronous by design (section 5.6): FSDP accepts None and then has nothing to wait on.
-        quantized_all_gather(output_tensor, input_tensor, group, layout, seed, self.meter, KIND_QSDP_AG)
-        return None
+        # With async_op (FSDP2 prefetching, see apply_prefetch) the work decodes when FSDP2 waits on it.
+        return quantized_all_gather(
+            output_tensor, input_tensor, group, layout, seed, self.meter, KIND_QSDP_AG,
+            async_op=async_op, buffers=self.buffers, timer=self.timer,
+        )  # fmt: skip
 
 
 class QuantizedReduceScatter(_UnitComm, ReduceScatter):
@@ -155,6 +177,10 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
         seeds: the model's seed schedule.
         meter: where bytes are recorded (kinds ``qsdp.reduce_scatter`` / ``fsdp.reduce_scatter``).
     """
+
+    def _poolable(self, numel: int) -> bool:
+        # FSDP2 allocates the input (P*S elements) and then the output (S): only the input is pooled.
+        return numel >= 2 * sum(n for n, _ in self.plan.segments)
 
     @property
     def needs_forced_sum(self) -> bool:
@@ -186,5 +212,7 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
         layout = self.plan.layout(self.codec, output_tensor.numel(), input_tensor.dtype)
         call = self.seeds.next_grad_call(self.plan.index)
         seeds = [self.seeds.grad_seed(self.plan.index, rank, dest, call) for dest in range(world)]
-        quantized_reduce_scatter(output_tensor, input_tensor, group, layout, seeds, self.meter, KIND_QSDP_RS, divide_factor)
-        return None
+        return quantized_reduce_scatter(
+            output_tensor, input_tensor, group, layout, seeds, self.meter, KIND_QSDP_RS, divide_factor,
+            async_op=async_op, buffers=self.buffers, timer=self.timer,
+        )  # fmt: skip

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..comm import WireMeter, default_meter
+from ..comm import BufferPool, PhaseTimer, WireMeter, default_meter
 from ._comms import QuantizedAllGather, QuantizedReduceScatter, UnitPlan
 from ._master import requantize_shards
+from ._prefetch import apply_prefetch
 from ._seeds import SeedSchedule
 from ._units import FSDPUnit, find_units, require_custom_comms
 from .config import QSDPConfig
@@ -95,6 +96,11 @@ class QSDPHandle:
         # The world size is informative only: no QSDP state depends on it.
         self.seeds.load_state_dict(state["seeds"])
 
+    def set_phase_timer(self, timer: PhaseTimer | None) -> None:
+        """Split every collective's time into encode / transport / decode into ``timer`` (None: off)."""
+        for comm in (*self.all_gathers, *self.reduce_scatters):
+            comm.timer = timer
+
     def remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
@@ -111,7 +117,8 @@ def install_qsdp(
     """Give every FSDP2 unit of ``model`` a QSDP all-gather and reduce-scatter.
 
     Call after ``fully_shard`` (or ``accelerator.prepare``) and before the first forward. Every
-    check runs before any collective.
+    check runs before any collective. With ``config.prefetch`` (the default) the units also
+    prefetch each other's all-gathers asynchronously (:func:`qaccel.fsdp.apply_prefetch`).
 
     Args:
         model: a model whose units were sharded with ``fully_shard`` on a 1-D mesh.
@@ -145,6 +152,7 @@ def install_qsdp(
     meter = default_meter if meter is None else meter
     seeds = SeedSchedule(config.seed)
     world_size = max(unit.world_size for unit in units)
+    buffers = BufferPool()  # one per model: units of equal size share their buffers
     plans, all_gathers, reduce_scatters = [], [], []
     for unit in units:
         plan = UnitPlan.build(
@@ -155,8 +163,8 @@ def install_qsdp(
             param_min_numel=config.param_min_numel,
             unit_min_numel=config.unit_min_numel,
         )
-        all_gather = QuantizedAllGather(plan, config.weight_codec(), seeds, meter)
-        reduce_scatter = QuantizedReduceScatter(plan, config.grad_codec(), seeds, meter)
+        all_gather = QuantizedAllGather(plan, config.weight_codec(), seeds, meter, buffers)
+        reduce_scatter = QuantizedReduceScatter(plan, config.grad_codec(), seeds, meter, buffers)
         refuse_unsupported(unit, weights_quantized=all_gather.codec is not None, grads_quantized=reduce_scatter.codec is not None)
         plans.append(plan)
         all_gathers.append(all_gather)
@@ -169,6 +177,8 @@ def install_qsdp(
                 module.set_force_sum_reduction_for_comms(True)
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
+    if config.prefetch:
+        apply_prefetch(model)
     handle = QSDPHandle(config, units, plans, all_gathers, reduce_scatters, seeds, world_size)
     for optimizer in optimizers:
         handle.attach_optimizer(optimizer)

@@ -24,7 +24,7 @@ from typing import Any
 from ..comm import WireCodec
 from ..quant import META_DTYPES, ROUNDINGS
 
-__all__ = ["QSDPConfig", "MASTER_WEIGHT_MODES", "ENV_PREFIX", "RECIPE_ENV", "OFF_WORDS", "AUTO_WORDS"]
+__all__ = ["QSDPConfig", "MASTER_WEIGHT_MODES", "ENV_PREFIX", "RECIPE_ENV", "OFF_WORDS", "AUTO_WORDS", "SPEED_ONLY_FIELDS"]
 
 ENV_PREFIX = "QACCEL_QSDP_"
 RECIPE_ENV = "QACCEL_RECIPE"
@@ -38,6 +38,11 @@ _BUCKET_FIELDS = ("weight_bucket_size", "grad_bucket_size")
 _META_FIELDS = ("weight_meta_dtype", "grad_meta_dtype")
 _INT_FIELDS = ("seed", "param_min_numel", "unit_min_numel")
 _WORD_FIELDS = ("rounding", "master_weights")
+_BOOL_FIELDS = ("prefetch",)
+_TRUE_WORDS = ("1", "true", "on", "yes")
+_FALSE_WORDS = ("0", "false", "off", "no")
+# Settings that change how fast a step runs but not one bit of its results: a resume may change them.
+SPEED_ONLY_FIELDS = ("prefetch",)
 
 
 def default_bucket(bits: int) -> tuple[int, str]:
@@ -83,6 +88,11 @@ class QSDPConfig:
         unit_min_numel: FSDP units whose padded shard has fewer elements keep the stock
             collectives (e.g. Accelerate's final-norm unit), since metadata and launch overhead
             outweigh the saving. Default 4096; 0 quantizes every unit.
+        prefetch: overlap all-gathers with compute: every unit prefetches its neighbour's
+            all-gather asynchronously in forward and backward (:func:`qaccel.fsdp.apply_prefetch`).
+            Results are bit-identical either way; the price is one more unit's unsharded weights in
+            memory. ``True`` (default), ``False``, or ``1``/``0``/``on``/``off``/``true``/``false``
+            (``QACCEL_QSDP_PREFETCH``).
     """
 
     weight_bits: int | None = 8
@@ -96,6 +106,7 @@ class QSDPConfig:
     master_weights: str = "fresh"
     param_min_numel: int = 1024
     unit_min_numel: int = 4096
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         # One normalisation for every source (code, environment, recipe): see the module docstring.
@@ -118,10 +129,18 @@ class QSDPConfig:
             raise ValueError("QSDPConfig.master_weights='quantized': requires weight_bits in [2, 8], got weight_bits=None (off)")
         _check_int("param_min_numel", self.param_min_numel, 0)
         _check_int("unit_min_numel", self.unit_min_numel, 0)
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(
+                f"QSDPConfig.prefetch={self.prefetch!r}: must be True/False or one of {', '.join(_TRUE_WORDS + _FALSE_WORDS)}"
+            )
 
     def differences(self, other: QSDPConfig) -> dict[str, tuple[Any, Any]]:
-        """``{field: (self's value, other's value)}`` for every field where the two differ."""
-        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)}
+        """``{field: (self's value, other's value)}`` for every field that changes results and differs."""
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+            if f.name not in SPEED_ONLY_FIELDS and getattr(self, f.name) != getattr(other, f.name)
+        }
 
     # -- resolved codecs ---------------------------------------------------------------------
     def weight_codec(self) -> WireCodec | None:
@@ -248,6 +267,13 @@ def _normalize(name: str, value: Any) -> Any:
         return _int_from_text(value, text, 0)
     if name in _WORD_FIELDS and text is not None:
         return text
+    if name in _BOOL_FIELDS and text is not None:
+        if text in _TRUE_WORDS:
+            return True
+        if text in _FALSE_WORDS:
+            return False
+    if name in _BOOL_FIELDS and type(value) is int and value in (0, 1):
+        return bool(value)
     return value
 
 

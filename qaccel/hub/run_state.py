@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
+from ..fsdp.config import SPEED_ONLY_FIELDS
 from ._fs import fsync_dir, fsync_tree, staging_dir, write_text_atomic
 
 __all__ = [
@@ -255,6 +256,8 @@ def _config_differences(saved: dict, current: dict) -> list[str]:
     missing = object()
     lines = []
     for key in sorted(set(saved) | set(current)):
+        if key in SPEED_ONLY_FIELDS:  # e.g. QSDP prefetch: changes the speed of a step, not its results
+            continue
         before, after = saved.get(key, missing), current.get(key, missing)
         if before != after:
             show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731

@@ -63,6 +63,7 @@ QSDP_KEYWORDS = (
     "master_weights",
     "param_min_numel",
     "unit_min_numel",
+    "prefetch",
 )
 
 
@@ -109,6 +110,7 @@ class QSDPPlugin(FullyShardedDataParallelPlugin):
     master_weights: InitVar[Any] = _NOT_GIVEN
     param_min_numel: InitVar[Any] = _NOT_GIVEN
     unit_min_numel: InitVar[Any] = _NOT_GIVEN
+    prefetch: InitVar[Any] = _NOT_GIVEN
 
     def __post_init__(self, recipe: str | os.PathLike | None, *qsdp_values: Any) -> None:
         given = {name: value for name, value in zip(QSDP_KEYWORDS, qsdp_values, strict=True) if value is not _NOT_GIVEN}

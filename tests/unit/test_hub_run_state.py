@@ -149,3 +149,12 @@ def test_resume_on_another_world_size_warns_what_changes(method, config, expecte
     assert len(warnings) == 1 and warnings[0].startswith("world size 2 -> 4: ")
     for phrase in expected:
         assert phrase in warnings[0]
+
+
+def test_resume_may_change_speed_only_settings_such_as_prefetch():
+    # Prefetch is bit-identical on and off (tests/dist/test_qsdp_fast_path.py): not a different run.
+    saved = json.loads(json.dumps(_state(method_config=QSDPConfig(weight_bits=4, grad_bits=8, prefetch=True).to_dict())))
+    assert check_resume(saved, _state(method_config=QSDPConfig(weight_bits=4, grad_bits=8, prefetch=False).to_dict())) == []
+    old = dict(saved)
+    old["method_config"] = {k: v for k, v in saved["method_config"].items() if k != "prefetch"}  # a checkpoint from before the field
+    assert check_resume(old, _state()) == []

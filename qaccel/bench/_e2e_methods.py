@@ -1,0 +1,209 @@
+"""What ``qaccel bench e2e`` runs: the methods, the model shapes, link rates and the 1-bit probe schedules.
+
+Pure data and validation (no torch.distributed): the parent process validates the command line with it
+and the rank processes (``_e2e_worker``) build each method from the same table, so both agree on names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "Method",
+    "METHODS",
+    "DEFAULT_METHODS",
+    "MODELS",
+    "PREFETCH_DEFAULT",
+    "parse_rate",
+    "format_rate",
+    "parse_methods",
+    "config_label",
+    "onebit_probe",
+    "PAPER_SCHEDULES",
+]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the method table.
+
+    Attributes:
+        name: stable key (JSON, ``--methods``).
+        title: for tables and plots.
+        parallel: ``"fsdp"`` (FSDP2, one unit per block and the root) or ``"ddp"``.
+        compute: ``"fp32"`` or ``"bf16"``: the precision of forward/backward, which also picks the
+            compute-only reference.
+        qsdp: ``(weight_bits, grad_bits)`` when qaccel's comms are installed on the FSDP2 units
+            (``(None, None)``: installed but both paths off, the metered pass-through); ``None``: stock FSDP2.
+        ddp: DDP flavour: ``"adamw"``, ``"powersgd"``, ``"bf16"``, ``"onebit"``, ``"zero_one"``.
+        meter: ``"qaccel"`` (bytes recorded by qaccel's WireMeter) or ``"ring"`` (the ring formula applied
+            to every collective torch issues, counted by wrapping ``torch.distributed``'s functions).
+    """
+
+    name: str
+    title: str
+    parallel: str
+    compute: str = "fp32"
+    qsdp: tuple[int | None, int | None] | None = None
+    ddp: str | None = None
+    meter: str = "qaccel"
+
+    @property
+    def schedule_weighted(self) -> bool:
+        """1-bit optimizers change what a step sends over the run: their figures are weighted by step kind."""
+        return self.ddp in ("onebit", "zero_one")
+
+
+_TABLE = (
+    Method("fsdp2-fp32", "FSDP2 fp32", "fsdp", meter="ring"),
+    Method("fsdp2-bf16", "FSDP2 bf16 (params and reductions)", "fsdp", compute="bf16", meter="ring"),
+    Method("qsdp-off", "qaccel comms, compression off", "fsdp", qsdp=(None, None)),
+    Method("qsdp-w8g8", "QSDP W8G8", "fsdp", qsdp=(8, 8)),
+    Method("qsdp-w8g8-bf16", "QSDP W8G8, bf16 compute", "fsdp", compute="bf16", qsdp=(8, 8)),
+    Method("qsdp-w4g4", "QSDP W4G4", "fsdp", qsdp=(4, 4)),
+    Method("qsdp-w4g4-bf16", "QSDP W4G4, bf16 compute", "fsdp", compute="bf16", qsdp=(4, 4)),
+    Method("ddp-adamw", "DDP AdamW", "ddp", ddp="adamw"),
+    Method("ddp-powersgd", "DDP AdamW + PowerSGD hook (rank 1)", "ddp", ddp="powersgd", meter="ring"),
+    Method("ddp-bf16", "DDP AdamW + bf16 compression hook", "ddp", ddp="bf16", meter="ring"),
+    Method("onebit-adam", "1-bit Adam", "ddp", ddp="onebit"),
+    Method("zero-one-adam", "0/1 Adam", "ddp", ddp="zero_one"),
+)
+METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
+DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
+# --prefetch default: both settings for the two methods the overlap question is about, off elsewhere.
+PREFETCH_DEFAULT = {"fsdp2-fp32": (False, True), "qsdp-w8g8": (False, True)}
+
+# Model shapes. gpt2-17m: 17.4M parameters, sized so that stock FSDP2 fp32 spends most of its step on a
+# 300 Mbit/s link communicating (see BENCHMARKS.md). "tiny" is for the smoke test.
+MODELS: dict[str, dict] = {
+    "gpt2-17m": {
+        "config": {"n_layer": 8, "n_embd": 384, "n_head": 6, "vocab_size": 8192, "n_positions": 128,
+                   "bos_token_id": 8191, "eos_token_id": 8191},
+        "batch_size": 4,
+        "seq_len": 128,
+    },
+    "tiny": {
+        "config": {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 32,
+                   "bos_token_id": 511, "eos_token_id": 511},
+        "batch_size": 2,
+        "seq_len": 32,
+    },
+}
+
+# The schedules the 1-bit step kinds are weighted with: the 0/1 Adam paper's BERT-Large seq128 run with the
+# DeepSpeed tutorial's alpha, as in `qaccel bench comm` (T = 152,000 steps; 1-bit Adam freezes at 23,000).
+PAPER_SCHEDULES = {
+    "total_steps": 152_000,
+    "zero_one": {"var_freeze_step": 12_500, "var_update_scaler": 16, "local_step_scaler": 1000, "local_step_clipper": 16},
+    "onebit": {"freeze_step": 23_000},
+}
+
+_RATE_UNITS = {  # tc(8) rate units -> bits per second; a bare number is bits per second, as in tc
+    "": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+    "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40,
+    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
+    "kibps": 8 * 2**10, "mibps": 8 * 2**20, "gibps": 8 * 2**30, "tibps": 8 * 2**40,
+}  # fmt: skip
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
+MIN_RATE_BITS = 1e5  # below 100 kbit/s a 17M-parameter step would take hours
+
+
+def parse_rate(text: str) -> float | None:
+    """``tc`` rate syntax (``300mbit``, ``1gbit``, ``125mbps``, ``5e5`` is refused) to bits/s; ``none``: unshaped."""
+    word = text.strip().lower()
+    if word in ("none", "unshaped"):
+        return None
+    match = _RATE_RE.match(word)
+    units = ", ".join(u for u in _RATE_UNITS if u)
+    if not match or match.group(2) not in _RATE_UNITS:
+        raise ValueError(f"bandwidth {text!r}: expected a tc rate such as 300mbit or 1gbit (units: {units}), or 'none'")
+    bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
+    if bits < MIN_RATE_BITS:
+        raise ValueError(f"bandwidth {text!r}: {bits:g} bit/s is below the minimum of {MIN_RATE_BITS:g} bit/s (100kbit)")
+    return bits
+
+
+def format_rate(bits: float | None) -> str:
+    """Bits/s as tc writes them (``300mbit``), ``none`` for unshaped."""
+    if bits is None:
+        return "none"
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale and abs(bits / scale - round(bits / scale)) < 1e-9:
+            return f"{round(bits / scale)}{unit}"
+    return f"{round(bits)}bit"
+
+
+def parse_methods(text: str) -> list[str]:
+    """A comma-separated list of method names (``all`` for every one), each checked against the table."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if names == ["all"]:
+        return list(DEFAULT_METHODS)
+    unknown = [name for name in names if name not in METHODS]
+    if unknown or not names:
+        raise ValueError(f"--methods {text!r}: unknown {unknown or 'empty list'}; known: {', '.join(METHODS)} (or all)")
+    return list(dict.fromkeys(names))
+
+
+def config_label(method: str, prefetch: bool | None) -> str:
+    """Stable key of a (method, prefetch) configuration: ``qsdp-w8g8`` or ``qsdp-w8g8+prefetch``."""
+    return f"{method}+prefetch" if prefetch else method
+
+
+def onebit_probe(method: str, samples: int) -> tuple[dict, int]:
+    """A schedule (optimizer kwargs) and step count under which every step kind of ``method`` occurs
+    ``samples`` times in steady state.
+
+    Steady means: neither the first step of its kind nor a step at whose end the phase changes (both
+    allocate optimizer state, as in ``qaccel bench comm``). The init step is measured once and counts in
+    the schedule-weighted figures with its (tiny) weight.
+    """
+    from ..optim import OneBitAdamSchedule, ZeroOneAdamSchedule
+
+    if method == "onebit-adam":
+        freeze = samples + 3  # full steps 2..F: the first and the freezing one are not steady
+        kwargs = {"freeze_step": freeze}
+        candidates = [(kwargs, freeze + samples + 1)]
+        make = lambda kw: OneBitAdamSchedule(**kw)  # noqa: E731
+    elif method == "zero-one-adam":
+        # kappa 2: full steps at 2, 3, then every 2nd, 4th, ... step; the rest of phase 1 is 1-bit gradient
+        # steps. Phase 2 syncs every step for alpha = 2 steps, then every second step (H = 2).
+        candidates = []
+        for freeze in range(4, 200):
+            kwargs = {"var_freeze_step": freeze, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 2}
+            candidates.append((kwargs, freeze + 1 + 2 * samples + 6))
+        make = lambda kw: ZeroOneAdamSchedule(**kw)  # noqa: E731
+    else:
+        raise ValueError(f"onebit_probe: {method!r} is not a 1-bit method")
+    for kwargs, steps in candidates:
+        counts = steady_counts(make(kwargs), steps)
+        if set(counts) == _KINDS[method] and min(counts.values()) >= samples:
+            return kwargs, steps
+    raise RuntimeError(f"onebit_probe: no probe schedule gives {samples} steady steps of every kind for {method}")
+
+
+_KINDS = {"onebit-adam": {"full", "onebit_momentum"}, "zero-one-adam": {"full", "onebit_gradient", "sync", "local"}}
+
+
+def steady_kinds(schedule, steps: int) -> list[tuple[str, bool]]:
+    """``(kind, steady)`` for each of ``steps`` steps of a fresh schedule (the rule of :func:`onebit_probe`)."""
+    seen: set[str] = set()
+    out = []
+    for _ in range(steps):
+        kind = schedule.next_kind()
+        phase = schedule.phase
+        schedule.advance(kind)
+        steady = kind.value in seen and schedule.phase == phase and kind.value != "init"
+        seen.add(kind.value)
+        out.append((kind.value, steady))
+    return out
+
+
+def steady_counts(schedule, steps: int) -> dict[str, int]:
+    """Steady steps per kind (init excluded) over ``steps`` steps; kinds that never occur count 0."""
+    kinds = steady_kinds(schedule, steps)
+    counts = {kind: 0 for kind, _ in kinds if kind != "init"}
+    for kind, steady in kinds:
+        if steady:
+            counts[kind] += 1
+    return counts

@@ -1,0 +1,323 @@
+"""One configuration of ``qaccel bench e2e``, run by every rank under torchrun.
+
+``python -m qaccel.bench._e2e_worker SPEC.json`` reads the job from a JSON file written by the parent
+(``qaccel.bench.e2e``); rank 0 writes the measurements to ``spec["out"]``. First every rank times the
+same steps without communication (:func:`compute_only_steps`), then the method's real steps.
+
+Per step: a barrier, the namespace's loopback ``tx_bytes`` and a clock read on rank 0, one training step
+(forward, backward, optimizer step), a barrier, the counter and clock again. The loopback carries every
+rank's traffic, so the counter difference is the whole job's bytes on the link in that step, plus the two
+barriers (a few hundred bytes). Meter bytes are what each rank's meter recorded for the step.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ._e2e_methods import METHODS, MODELS, Method, steady_kinds
+
+__all__ = ["main"]
+
+
+def _read_counter(path: str) -> int:
+    with open(path) as f:
+        return int(f.read())
+
+
+def _build_model(model_name: str) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(**MODELS[model_name]["config"]))
+
+
+def _batch(model_name: str, step: int, rank: int, world_size: int) -> torch.Tensor:
+    shape = MODELS[model_name]
+    vocab = shape["config"]["vocab_size"]
+    generator = torch.Generator().manual_seed(step * world_size + rank)
+    return torch.randint(0, vocab, (shape["batch_size"], shape["seq_len"]), generator=generator)
+
+
+# -- the "ring" meter: torch's own collectives, counted with the same formulas as qaccel's meter --------
+@contextmanager
+def _ring_meter(meter):
+    """Wrap torch.distributed's flat collectives so every call records its ring bytes in ``meter``.
+
+    FSDP2's default comms and torch's DDP hooks look these functions up at call time, so stock FSDP2,
+    PowerSGD and the bf16 compression hook are counted without touching their code.
+    """
+    from ..comm import ring_all_reduce_bytes
+
+    originals = {}
+
+    def wrap(name, count):
+        original = getattr(dist, name, None)
+        if original is None:
+            return
+
+        def wrapper(*args, **kwargs):
+            group = kwargs.get("group")
+            world = dist.get_world_size(group)
+            nbytes = count(args, kwargs, world)
+            meter.record(f"torch.{name}", sent_bytes=nbytes, recv_bytes=nbytes)
+            return original(*args, **kwargs)
+
+        originals[name] = original
+        setattr(dist, name, wrapper)
+
+    def gather_bytes(args, kwargs, world):  # (output, input): each rank sends its input to P-1 peers
+        tensor = args[1] if len(args) > 1 else kwargs["input_tensor" if "input_tensor" in kwargs else "input"]
+        return (world - 1) * tensor.numel() * tensor.element_size()
+
+    def scatter_bytes(args, kwargs, world):  # (output, input): P-1 output-sized chunks each way
+        tensor = args[0] if args else kwargs["output"]
+        return (world - 1) * tensor.numel() * tensor.element_size()
+
+    def reduce_bytes(args, kwargs, world):
+        tensor = args[0] if args else kwargs["tensor"]
+        return ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), world)
+
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        wrap(name, gather_bytes)
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        wrap(name, scatter_bytes)
+    wrap("all_reduce", reduce_bytes)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+# -- method set-up ----------------------------------------------------------------------------------
+def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetch: bool, meter, lr: float):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .. import fsdp as qfsdp
+
+    bf16 = method.compute == "bf16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    info: dict = {"prefetch": prefetch}
+    config_has_prefetch = "prefetch" in qfsdp.QSDPConfig.__dataclass_fields__
+    if method.qsdp is not None:
+        weight_bits, grad_bits = method.qsdp
+        kwargs = {"weight_bits": weight_bits, "grad_bits": grad_bits}
+        if config_has_prefetch:
+            kwargs["prefetch"] = prefetch
+        elif prefetch:
+            info["prefetch_links"] = qfsdp.apply_prefetch(model)
+        handle = qfsdp.install_qsdp(model, qfsdp.QSDPConfig(**kwargs), optimizers=[optimizer], meter=meter)
+        info["units"] = handle.describe()
+    elif prefetch:
+        info["prefetch_links"] = qfsdp.apply_prefetch(model)
+    return model, optimizer, None, info
+
+
+def _setup_ddp(method: Method, model: torch.nn.Module, meter, lr: float, probe: dict | None):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    info: dict = {}
+    schedule = None
+    if method.ddp in ("adamw", "powersgd", "bf16"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        if method.ddp == "adamw":
+            from ..comm import metered_allreduce_hook
+
+            ddp.register_comm_hook(None, metered_allreduce_hook(meter))
+        else:
+            # Accelerate's own mapping of DistributedDataParallelKwargs(comm_hook=...) to torch's hooks.
+            from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+            if method.ddp == "powersgd":
+                state = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+                kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.POWER_SGD, comm_state_option=state)
+                info["powersgd"] = state
+                kwargs.register_comm_hook(ddp)
+            elif torch.cuda.is_available():
+                DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16).register_comm_hook(ddp)
+            else:
+                ddp.register_comm_hook(None, _bf16_hook_without_cuda())
+                info["bf16_hook"] = "torch's bf16_compress_hook, registered under another name (gloo)"
+    else:
+        from ..optim import OneBitAdam, ZeroOneAdam, register_ddp_comm_hook
+
+        cls = ZeroOneAdam if method.ddp == "zero_one" else OneBitAdam
+        optimizer = cls(model.parameters(), lr=lr, wire_meter=meter, **probe)
+        register_ddp_comm_hook(ddp, optimizer)
+        schedule = optimizer.schedule
+        info["probe_schedule"] = probe
+    return ddp, optimizer, schedule, info
+
+
+def _bf16_hook_without_cuda():
+    """torch's ``bf16_compress_hook`` (Accelerate's ``comm_hook=BF16``) for a CPU job over gloo.
+
+    DDP refuses a hook *named* ``bf16_compress_hook`` unless CUDA with NCCL >= 2.10 is present (an NCCL
+    limitation); gloo all-reduces bf16 fine, so the same function is registered through a wrapper.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    # unannotated on purpose: DDP rejects the string annotations ``from __future__ import annotations`` makes
+    def bf16_hook_over_gloo(state, bucket):  # noqa: ANN001, ANN202
+        return bf16_compress_hook(state, bucket)
+
+    return bf16_hook_over_gloo
+
+
+# -- the measured loop ------------------------------------------------------------------------------
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def run_distributed(spec: dict) -> None:
+    from ..comm import WireMeter
+
+    dist.init_process_group("gloo", timeout=_timedelta(spec["pg_timeout_s"]))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    method = METHODS[spec["method"]]
+    dist.barrier()
+    compute = compute_only_steps(spec, rank, world_size)
+    gc.collect()
+    dist.barrier()
+    meter = WireMeter()
+    model = _build_model(spec["model"])
+    num_params = sum(p.numel() for p in model.parameters())
+    if method.parallel == "fsdp":
+        model, optimizer, schedule, info = _setup_fsdp(method, model, world_size, bool(spec["prefetch"]), meter, spec["lr"])
+    else:
+        model, optimizer, schedule, info = _setup_ddp(method, model, meter, spec["lr"], spec.get("probe"))
+    steps = spec["total_steps"]
+    counter = spec["counter_path"]
+    records = []
+    context = _ring_meter(meter) if method.meter == "ring" else nullcontext()
+    with context:
+        for step in range(steps):
+            kind = schedule.next_kind().value if schedule is not None else "step"
+            tokens = _batch(spec["model"], step, rank, world_size)
+            dist.barrier()
+            link0 = _read_counter(counter) if rank == 0 else 0
+            start = time.perf_counter()
+            loss = _train_step(model, optimizer, tokens)
+            dist.barrier()
+            seconds = time.perf_counter() - start
+            link1 = _read_counter(counter) if rank == 0 else 0
+            tallies = meter.end_step()
+            records.append(
+                {
+                    "step": step,
+                    "kind": kind,
+                    "seconds": seconds,
+                    "link_bytes": link1 - link0,
+                    "meter_sent_bytes": sum(t.sent_bytes for t in tallies.values()),
+                    "meter_by_kind": {k: t.sent_bytes for k, t in tallies.items()},
+                    "loss": loss,
+                }
+            )
+    per_rank_meter = [None] * world_size
+    dist.all_gather_object(per_rank_meter, [r["meter_sent_bytes"] for r in records])
+    per_rank_compute = [None] * world_size
+    dist.all_gather_object(per_rank_compute, statistics.median(r["seconds"] for r in compute if r["steady"]))
+    if rank == 0:
+        for i, record in enumerate(records):
+            record["meter_sent_bytes_per_rank"] = [ranks[i] for ranks in per_rank_meter]
+        if schedule is not None:
+            from ..optim import OneBitAdamSchedule, ZeroOneAdamSchedule
+
+            fresh = (ZeroOneAdamSchedule if method.ddp == "zero_one" else OneBitAdamSchedule)(**spec["probe"])
+            for record, (_, steady) in zip(records, steady_kinds(fresh, steps), strict=True):
+                record["steady"] = steady
+        else:
+            for record in records:
+                record["steady"] = record["step"] >= spec["warmup"]
+        _write(spec["out"], {"num_params": num_params, "world_size": world_size, "info": info, "steps": records,
+                             "torch_threads": torch.get_num_threads(), "compute_steps_rank0": compute,
+                             "compute_median_s_per_rank": per_rank_compute})  # fmt: skip
+    _free_and_close()
+
+
+def compute_only_steps(spec: dict, rank: int, world_size: int) -> list[dict]:
+    """Same model, per-rank batch and optimizer without any communication: the compute time of one step.
+
+    Every rank runs this at the start of its job, all ranks at once, so the CPU contention is the job's.
+    bf16 mirrors FSDP2's mixed precision: forward/backward on a bf16 copy of the weights, gradients cast to
+    fp32 for the fp32 AdamW step, weights cast back to bf16. The optimizer covers the whole model (exact for
+    DDP; FSDP2 steps only its shard, so this slightly overstates its compute).
+    """
+    import copy
+
+    model = _build_model(spec["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+    low = copy.deepcopy(model).to(torch.bfloat16) if METHODS[spec["method"]].compute == "bf16" else None
+    records = []
+    for step in range(spec["compute_steps"]):
+        tokens = _batch(spec["model"], step, rank, world_size)
+        start = time.perf_counter()
+        if low is None:
+            _train_step(model, optimizer, tokens)
+        else:
+            low(input_ids=tokens, labels=tokens).loss.backward()
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), low.parameters(), strict=True):
+                    p.grad = q.grad.float()
+                    q.grad = None
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), low.parameters(), strict=True):
+                    q.copy_(p)
+        records.append({"step": step, "seconds": time.perf_counter() - start, "steady": step >= spec["warmup"]})
+    return records
+
+
+# -- plumbing ---------------------------------------------------------------------------------------
+def _timedelta(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def _write(path: str, data: dict) -> None:
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def _free_and_close() -> None:
+    # Free FSDP/DDP state while gloo is still up (collected at interpreter exit it can abort the process).
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text())
+    torch.set_num_threads(int(spec["threads"]))
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    run_distributed(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

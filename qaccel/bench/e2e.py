@@ -1,0 +1,301 @@
+"""``qaccel bench e2e``: training step time of every method on a shaped link, with the link's own byte count.
+
+For each ``--bandwidth`` in turn the loopback of a private network namespace is shaped with ``tc`` (token
+bucket, ``_e2e_netns``) and every configuration (method x prefetch setting, ``_e2e_methods``) runs as its own
+``torchrun`` job inside the namespace (``_e2e_worker``). The kernel's interface counter gives the bytes on
+the link, qaccel's wire meter the bytes the method meant to send; a compute-only run of the same per-rank
+work gives ``T_compute``, and ``_e2e_report`` turns all of it into step times, ideals, speedups and the
+issue's goals. Details and the reading of the results: ``BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import _e2e_report as report_mod
+from ._e2e_methods import (
+    DEFAULT_METHODS,
+    METHODS,
+    MODELS,
+    PREFETCH_DEFAULT,
+    config_label,
+    format_rate,
+    onebit_probe,
+    parse_methods,
+    parse_rate,
+)
+from ._e2e_netns import TX_BYTES, NamespaceError, ShapedNamespace, check_prerequisites
+
+__all__ = ["add_arguments", "run", "E2EError", "plan_configs"]
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+class E2EError(RuntimeError):
+    """The benchmark cannot run here (not root, no iproute2, a missing API) or a run failed."""
+
+
+def _rate_arg(text: str) -> str:
+    try:
+        parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _methods_arg(text: str) -> list[str]:
+    try:
+        return parse_methods(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bandwidth", action="append", type=_rate_arg, default=None, metavar="RATE",
+                        help="link rate in tc syntax (300mbit, 1gbit, ...) or 'none' for unshaped; repeat for several "
+                             "(default: 300mbit)")  # fmt: skip
+    parser.add_argument("--methods", type=_methods_arg, default=list(DEFAULT_METHODS),
+                        help=f"comma-separated methods, or all (default all): {', '.join(METHODS)}")  # fmt: skip
+    parser.add_argument("--prefetch", choices=("default", "on", "off", "both"), default="default",
+                        help="FSDP2 forward/backward prefetch between units for the FSDP methods: on, off, both; default: "
+                             "both for fsdp2-fp32 and qsdp-w8g8, off for the others")  # fmt: skip
+    parser.add_argument("--steps", type=_positive(1), default=5, help="measured steps per configuration (default 5)")
+    parser.add_argument("--warmup", type=_positive(2), default=2, help="warm-up steps before them, >= 2 (default 2)")
+    parser.add_argument("--world-size", type=_positive(2), default=2, help="ranks (default 2)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-17m", help="model shape (default gpt2-17m; tiny for smoke)")
+    parser.add_argument("--threads", type=_positive(1), default=1, help="torch/OpenMP threads per rank (default 1)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of every optimizer (default 1e-4)")
+    parser.add_argument("--plot", default=None, help="write the PNG here (default: next to --json)")
+    parser.add_argument("--markdown", default=None, help="write/replace the e2e section of this Markdown file (BENCHMARKS.md)")
+    parser.add_argument("--config-timeout", type=_positive(10), default=None,
+                        help="seconds one configuration may take before it is killed (default: from the model and rate)")  # fmt: skip
+
+
+def plan_configs(methods: list[str], prefetch: str) -> list[tuple[str, bool | None]]:
+    """``(method, prefetch)`` pairs in run order; DDP methods have no prefetch setting (None)."""
+    configs = []
+    for name in methods:
+        if METHODS[name].parallel != "fsdp":
+            configs.append((name, None))
+            continue
+        if prefetch == "default":
+            settings = PREFETCH_DEFAULT.get(name, (False,))
+        else:
+            settings = {"on": (True,), "off": (False,), "both": (False, True)}[prefetch]
+        configs.extend((name, setting) for setting in settings)
+    return configs
+
+
+def _check_prefetch_api(configs: list[tuple[str, bool | None]]) -> None:
+    if not any(p for _, p in configs):
+        return
+    from .. import fsdp as qfsdp
+
+    if not hasattr(qfsdp, "apply_prefetch") and "prefetch" not in qfsdp.QSDPConfig.__dataclass_fields__:
+        raise E2EError(
+            "prefetch on was asked for (--prefetch default/on/both), but this qaccel has neither "
+            "qaccel.fsdp.apply_prefetch nor QSDPConfig.prefetch; run with --prefetch off"
+        )
+
+
+def _child_env(threads: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "TORCHELASTIC_", "MASTER_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        GLOO_SOCKET_IFNAME="lo",  # the namespace's loopback: no other interface exists there anyway
+        CUDA_VISIBLE_DEVICES="",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p),
+    )
+    return env
+
+
+def _approx_params(model: str) -> float:
+    c = MODELS[model]["config"]
+    return c["n_layer"] * 12 * c["n_embd"] ** 2 + (c["vocab_size"] + c["n_positions"]) * c["n_embd"]
+
+
+def _timeout(args: argparse.Namespace, rate_bits: float | None, total_steps: int) -> float:
+    if args.config_timeout:
+        return float(args.config_timeout)
+    # generous: 16 fp32 copies of the model per rank per step on the link, plus 60 s of compute per step
+    comm = 16 * 4 * _approx_params(args.model) * args.world_size * 8 / rate_bits if rate_bits else 0.0
+    return 300.0 + total_steps * (60.0 + comm)
+
+
+def _run_logged(argv: list[str], env: dict, log: Path, timeout: float, what: str) -> None:
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(PACKAGE_ROOT))
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise E2EError(f"{what}: no result within {timeout:.0f} s (killed); log tail:\n{_tail(log)}") from None
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    if code != 0:
+        raise E2EError(f"{what}: exit {code}; log tail:\n{_tail(log)}")
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
+
+
+def _run_config(args, ns: ShapedNamespace, method: str, prefetch: bool | None, rate_bits: float | None, tmp: Path, env: dict) -> dict:
+    spec_m = METHODS[method]
+    probe, total = None, args.warmup + args.steps
+    if spec_m.schedule_weighted:
+        probe, total = onebit_probe(method, args.steps)
+    label = f"{config_label(method, prefetch)}@{format_rate(rate_bits)}"
+    out = tmp / f"{label}.json"
+    spec = {"mode": "ranks", "method": method, "prefetch": prefetch, "model": args.model, "lr": args.lr, "threads": args.threads,
+            "total_steps": total, "warmup": args.warmup, "compute_steps": args.warmup + args.steps, "probe": probe, "counter_path": TX_BYTES,
+            "pg_timeout_s": _timeout(args, rate_bits, 1), "out": str(out)}  # fmt: skip
+    spec_path = tmp / f"{label}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    argv = ns.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
+                       "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", "29500",
+                       "-m", "qaccel.bench._e2e_worker", str(spec_path)])  # fmt: skip
+    before = ns.qdisc_stats()
+    started = time.perf_counter()
+    _run_logged(argv, env, tmp / f"{label}.log", _timeout(args, rate_bits, total + spec["compute_steps"]), label)
+    after = ns.qdisc_stats()
+    raw = json.loads(out.read_text())
+    raw["wall_s"] = time.perf_counter() - started
+    raw["qdisc"] = {k: (after[k] - before.get(k, 0)) for k in ("drops", "overlimits", "requeues") if isinstance(after.get(k), int)}
+    return raw
+
+
+def _machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem_kib = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal"))
+    except (OSError, StopIteration):
+        mem_kib = 0
+    return {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": mem_kib / 2**20, "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}  # fmt: skip
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    parts = ["qaccel", "bench", "e2e"]
+    for bandwidth in args.bandwidth:
+        parts += ["--bandwidth", bandwidth]
+    if list(args.methods) != list(DEFAULT_METHODS):
+        parts += ["--methods", ",".join(args.methods)]
+    for flag, value, default in (("--prefetch", args.prefetch, "default"), ("--steps", args.steps, 5), ("--warmup", args.warmup, 2),
+                                 ("--world-size", args.world_size, 2), ("--model", args.model, "gpt2-17m"),
+                                 ("--threads", args.threads, 1), ("--lr", args.lr, 1e-4)):  # fmt: skip
+        if value != default:
+            parts += [flag, str(value)]
+    for flag, value in (("--json", getattr(args, "json_path", None)), ("--plot", args.plot), ("--markdown", args.markdown)):
+        if value:
+            parts += [flag, value]
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run every configuration at every bandwidth; return the report (also drawn/written when asked)."""
+    args.bandwidth = args.bandwidth or ["300mbit"]
+    rates = [parse_rate(b) for b in args.bandwidth]
+    configs = plan_configs(args.methods, args.prefetch)
+    _check_prefetch_api(configs)
+    try:
+        check_prerequisites()
+    except NamespaceError as exc:
+        raise E2EError(str(exc)) from None
+    env = _child_env(args.threads)
+    results: list[dict] = []
+    shaping: dict[str, dict | None] = {}
+    with tempfile.TemporaryDirectory(prefix="qaccel-e2e-") as tmpdir:
+        tmp = Path(tmpdir)
+        with ShapedNamespace() as ns:
+            namespace = ns.name
+            for rate in rates:
+                params = ns.shape(rate)
+                shaping[format_rate(rate)] = params
+                for method, prefetch in configs:
+                    label = f"{config_label(method, prefetch)} @ {format_rate(rate)}"
+                    _progress(f"{label} ...")
+                    try:
+                        raw = _run_config(args, ns, method, prefetch, rate, tmp, env)
+                    except E2EError as exc:
+                        _progress(f"{label} failed: {exc}")
+                        results.append({"label": config_label(method, prefetch), "method": method, "prefetch": prefetch,
+                                        "bandwidth": format_rate(rate), "rate_bits_per_s": rate, "error": str(exc)})  # fmt: skip
+                        continue
+                    # the slowest rank sets the pace of a synchronous step
+                    row = report_mod.summarize(raw, method, prefetch, rate, max(raw["compute_median_s_per_rank"]))
+                    row.update(wall_s=raw["wall_s"], qdisc=raw["qdisc"])
+                    results.append(row)
+                    _progress(f"{label}: {row['step_s']:.3f} s/step, link {row['link_bytes_per_rank_step'] / 1e6:.2f} MB/rank, "
+                              f"meter {row['meter_bytes_per_rank_step'] / 1e6:.2f} MB/rank ({raw['wall_s']:.0f} s)")  # fmt: skip
+        removed = not ns.exists()
+    report_mod.add_speedups(results)
+    num_params = next((r["num_params"] for r in results if "num_params" in r), None)
+    report = {
+        "benchmark": "e2e",
+        "command": _command_line(args),
+        "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": _machine(),
+        "settings": {"model": args.model, **{k: v for k, v in MODELS[args.model].items() if k != "config"},
+                     "model_config": MODELS[args.model]["config"], "world_size": args.world_size, "steps": args.steps,
+                     "warmup": args.warmup, "threads": args.threads, "lr": args.lr, "prefetch": args.prefetch,
+                     "methods": list(args.methods), "bandwidths": [format_rate(r) for r in rates]},  # fmt: skip
+        "namespace": {"name": namespace, "removed": removed, "device": "lo", "counter": TX_BYTES,
+                      "shaping": "tc tbf on the namespace loopback, shared by both directions and all ranks"},  # fmt: skip
+        "shaping": shaping,
+        "num_params": num_params,
+        "compute_only": report_mod.compute_summary(results),
+        "results": results,
+        "goals": report_mod.evaluate_goals(results),
+        "errors": [r["label"] + " @ " + r["bandwidth"] for r in results if "error" in r],
+    }
+    png = args.plot or (str(Path(args.json_path).with_suffix(".png")) if getattr(args, "json_path", None) else None)
+    if png and any("step_s" in r for r in results):
+        report_mod.plot(report, png)
+        report["png"] = png
+    if args.markdown:
+        image = os.path.relpath(png, Path(args.markdown).resolve().parent) if png else None
+        report_mod.write_markdown(args.markdown, report_mod.render_markdown(report, image))
+        report["markdown"] = args.markdown
+    return report
+
+
+def _progress(message: str) -> None:
+    print(f"qaccel bench e2e: {message}", file=sys.stderr, flush=True)
+

@@ -114,17 +114,13 @@ def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetc
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     info: dict = {"prefetch": prefetch}
-    config_has_prefetch = "prefetch" in qfsdp.QSDPConfig.__dataclass_fields__
     if method.qsdp is not None:
         weight_bits, grad_bits = method.qsdp
-        kwargs = {"weight_bits": weight_bits, "grad_bits": grad_bits}
-        if config_has_prefetch:
-            kwargs["prefetch"] = prefetch
-        elif prefetch:
-            info["prefetch_links"] = qfsdp.apply_prefetch(model)
-        handle = qfsdp.install_qsdp(model, qfsdp.QSDPConfig(**kwargs), optimizers=[optimizer], meter=meter)
+        config = qfsdp.QSDPConfig(weight_bits=weight_bits, grad_bits=grad_bits, prefetch=prefetch)
+        handle = qfsdp.install_qsdp(model, config, optimizers=[optimizer], meter=meter)
         info["units"] = handle.describe()
     elif prefetch:
+        # Stock FSDP2 gets the same prefetch setting as QSDP, so the comparison is like for like.
         info["prefetch_links"] = qfsdp.apply_prefetch(model)
     return model, optimizer, None, info
 

@@ -109,18 +109,6 @@ def plan_configs(methods: list[str], prefetch: str) -> list[tuple[str, bool | No
     return configs
 
 
-def _check_prefetch_api(configs: list[tuple[str, bool | None]]) -> None:
-    if not any(p for _, p in configs):
-        return
-    from .. import fsdp as qfsdp
-
-    if not hasattr(qfsdp, "apply_prefetch") and "prefetch" not in qfsdp.QSDPConfig.__dataclass_fields__:
-        raise E2EError(
-            "prefetch on was asked for (--prefetch default/on/both), but this qaccel has neither "
-            "qaccel.fsdp.apply_prefetch nor QSDPConfig.prefetch; run with --prefetch off"
-        )
-
-
 def _child_env(threads: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "TORCHELASTIC_", "MASTER_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
     env.update(
@@ -233,7 +221,6 @@ def run(args: argparse.Namespace) -> dict:
     args.bandwidth = args.bandwidth or ["300mbit"]
     rates = [parse_rate(b) for b in args.bandwidth]
     configs = plan_configs(args.methods, args.prefetch)
-    _check_prefetch_api(configs)
     try:
         check_prerequisites()
     except NamespaceError as exc:

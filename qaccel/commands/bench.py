@@ -1,4 +1,4 @@
-"""``qaccel bench quant|comm``: codec throughput and bytes on the wire per training step."""
+"""``qaccel bench quant|comm|e2e|convergence``: codec throughput, bytes on the wire per step, step time on a shaped link, eval loss over seeds."""
 
 from __future__ import annotations
 
@@ -25,6 +25,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     comm_bench.add_arguments(comm_parser)
     comm_parser.set_defaults(func=_run(comm_bench))
 
+    e2e_parser = kinds.add_parser("e2e", help="step time of every method on a tc-shaped link in a network namespace (root)")
+    e2e_parser.add_argument("--json", dest="json_path", default=None, help="also write the report here")
+    from ..bench import e2e as e2e_bench
+
+    e2e_bench.add_arguments(e2e_parser)
+    e2e_parser.set_defaults(func=_run_e2e)
+
+    convergence_parser = kinds.add_parser("convergence", help="eval loss vs the uncompressed baseline over seeds: QSDP, 0/1 Adam, 1-bit Adam")
+    convergence_parser.add_argument("--json", dest="json_path", default=None, help="also write the report here")
+    from ..bench import convergence as convergence_bench
+
+    convergence_bench.add_arguments(convergence_parser)
+    convergence_parser.set_defaults(func=_run(convergence_bench))
+
 
 def _run(module):
     def run(args: argparse.Namespace) -> int:
@@ -33,3 +47,24 @@ def _run(module):
         return 0
 
     return run
+
+
+def _run_e2e(args: argparse.Namespace) -> int:
+    """Exit 1 with the reason when the benchmark cannot run (not root, no iproute2) or a configuration failed; 130 when interrupted."""
+    import sys
+
+    from ..bench import e2e as e2e_bench
+
+    try:
+        report = e2e_bench.run(args)
+    except e2e_bench.E2EError as exc:
+        print(f"qaccel bench e2e: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the namespace and its processes are gone by now
+        print(f"qaccel bench e2e: interrupted ({exc or 'SIGINT'}); the network namespace was removed", file=sys.stderr)
+        return 130
+    emit(report, args.json_path)
+    if report["errors"]:
+        print(f"qaccel bench e2e: failed configurations: {', '.join(report['errors'])}", file=sys.stderr)
+        return 1
+    return 0

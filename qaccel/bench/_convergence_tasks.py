@@ -1,0 +1,131 @@
+"""What ``qaccel bench convergence`` trains: tasks, their methods, the goals they are held to.
+
+A task is a zoo recipe plus the few settings the study changes to fit many runs on a small
+machine (steps, batch, eval size). A method is either a QSDP variant on FSDP2 or an optimizer on
+DDP; every task has exactly one uncompressed baseline, against which the others are compared.
+Method settings other than those named here come from the recipe, as in ``scripts/train.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Method", "Task", "TASKS", "task_by_name", "select_methods"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of communicating. ``qsdp`` holds QSDPConfig fields (FSDP2); ``optimizer`` names the DDP one."""
+
+    key: str  # stable id used in the JSON
+    label: str  # for tables and plots
+    train_method: str  # scripts/train.py --method value: qsdp, none, zero_one_adam, onebit_adam
+    qsdp: dict[str, Any] = field(default_factory=dict)
+    goal_pct: float | None = None  # allowed excess of the mean final eval loss over the baseline's, in %
+    baseline: bool = False
+
+
+@dataclass(frozen=True)
+class Task:
+    """A recipe and the study's settings for it."""
+
+    name: str  # the recipe name
+    steps: int  # optimizer steps per run (default study)
+    quick_steps: int  # optimizer steps per run with --quick
+    eval_every: int  # eval interval in steps (default study); the last step is always evaluated
+    per_device_batch_size: int
+    eval_examples: int  # held-out examples evaluated (a fixed prefix of the eval split)
+    methods: tuple[Method, ...]
+    why: str  # one line: why these settings
+    seq_len: int | None = None  # override of the recipe's dataset.seq_len (None: the recipe's)
+
+    @property
+    def baseline(self) -> Method:
+        return next(m for m in self.methods if m.baseline)
+
+
+_QSDP_METHODS = (
+    Method("fsdp2", "FSDP2 fp32", "none", {"weight_bits": None, "grad_bits": None}, baseline=True),
+    Method("w8g8", "QSDP W8G8 (b1024 fp32, default)", "qsdp", {"weight_bits": 8, "grad_bits": 8}, goal_pct=1.0),
+    Method(
+        "w8g8-b128-bf16",
+        "QSDP W8G8 b128 bf16",
+        "qsdp",
+        {"weight_bits": 8, "grad_bits": 8, "weight_bucket_size": 128, "grad_bucket_size": 128, "weight_meta_dtype": "bfloat16", "grad_meta_dtype": "bfloat16"},
+        goal_pct=1.0,
+    ),
+    Method("w4g4", "QSDP W4G4 (b128 bf16, default)", "qsdp", {"weight_bits": 4, "grad_bits": 4}, goal_pct=2.0),
+    Method(
+        "w4g4-b1024-fp32",
+        "QSDP W4G4 b1024 fp32",
+        "qsdp",
+        {"weight_bits": 4, "grad_bits": 4, "weight_bucket_size": 1024, "grad_bucket_size": 1024, "weight_meta_dtype": "float32", "grad_meta_dtype": "float32"},
+        goal_pct=2.0,
+    ),
+    Method(
+        "w4g4-b64-bf16",
+        "QSDP W4G4 b64 bf16",
+        "qsdp",
+        {"weight_bits": 4, "grad_bits": 4, "weight_bucket_size": 64, "grad_bucket_size": 64},
+        goal_pct=2.0,
+    ),
+)
+_ONEBIT_METHODS = (
+    Method("adamw", "DDP AdamW", "none", baseline=True),
+    Method("zero_one_adam", "0/1 Adam", "zero_one_adam", goal_pct=2.0),
+    Method("onebit_adam", "1-bit Adam", "onebit_adam"),  # the issue sets no goal for it
+)
+
+TASKS: dict[str, Task] = {
+    "gpt2-tiny": Task(
+        name="gpt2-tiny",
+        steps=50,
+        quick_steps=4,
+        eval_every=10,
+        per_device_batch_size=4,
+        eval_examples=32,
+        methods=_QSDP_METHODS,
+        why="recipe settings (AdamW 1e-3, cosine), 16 warm-up steps, 50 steps of 2 x 4 sequences of 128 tokens (the recipe: 300 of 2 x 8)",
+    ),
+    "bert-tiny": Task(
+        name="bert-tiny",
+        steps=120,
+        quick_steps=4,
+        eval_every=30,
+        per_device_batch_size=4,
+        eval_examples=32,
+        methods=_ONEBIT_METHODS,
+        why="recipe settings (0/1 Adam freezes the variance at step 100), 120 steps of 2 x 4 sequences with 40 warm-up steps (the recipe: 300 of 2 x 8, 100 warm-up)",
+    ),
+    "minilm-finetune": Task(
+        name="minilm-finetune",
+        steps=45,
+        quick_steps=3,
+        eval_every=15,
+        per_device_batch_size=4,
+        eval_examples=64,
+        methods=_ONEBIT_METHODS,
+        why="recipe settings (0/1 Adam freezes the variance at step 30), 45 steps of 2 x 4 docstrings cut to 32 tokens with 15 warm-up steps (the recipe: 100 of 2 x 8 at 64 tokens, 30 warm-up)",
+        seq_len=32,
+    ),
+}
+
+
+def task_by_name(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"--tasks: unknown task {name!r}; choose from {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def select_methods(task: Task, keys: list[str] | None) -> tuple[Method, ...]:
+    """The task's methods named in ``keys`` (all when None); the baseline is always kept."""
+    if not keys:
+        return task.methods
+    known = {m.key for m in task.methods}
+    everywhere = {m.key for t in TASKS.values() for m in t.methods}
+    unknown = sorted(set(keys) - everywhere)
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; known methods: {', '.join(sorted(everywhere))}")
+    chosen = set(keys) & known
+    return tuple(m for m in task.methods if m.baseline or m.key in chosen)

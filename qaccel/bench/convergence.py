@@ -1,0 +1,254 @@
+"""``qaccel bench convergence``: eval loss of compressed methods against their uncompressed baseline, over seeds.
+
+Each (task, method) trains for the same number of steps once per seed, on 2 CPU ranks over gloo,
+and is evaluated at fixed intervals on the same held-out examples. The seeds are shared by the
+methods of a task, so every method sees the same data orders; the seed also sets QSDP's rounding
+noise. Reported per method: final eval loss mean ± std over seeds, its difference to the baseline in
+% and in units of the baseline's seed std, the paired per-seed difference, and a verdict against the
+goals (W8G8 +1%, W4G4 +2%, 0/1 Adam +2% of the baseline, and within its seed spread). An optional long
+single-seed run of the tiny GPT (``--long-steps``) shows whether gaps close or grow.
+
+All runs share one pair of rank processes (``run_on_cpu_ranks``), one thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import shlex
+import time
+from pathlib import Path
+
+import torch
+
+from . import _convergence_report, _convergence_stats
+from ._convergence_run import train_seeds
+from ._convergence_tasks import TASKS, Method, select_methods, task_by_name
+from ._ranks import run_on_cpu_ranks
+
+__all__ = ["add_arguments", "run", "LONG_METHODS"]
+
+logger = logging.getLogger(__name__)
+
+LONG_METHODS = ("fsdp2", "w8g8", "w4g4")  # the long gpt2-tiny run: baseline and the two default codecs
+QUICK_SEEDS = 2
+QUICK_EVAL_EXAMPLES = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK", help=f"tasks to run (default: all of {', '.join(TASKS)})")
+    parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD", help="methods to run (default: all of each task; the baseline always runs)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per method, 0..N-1 (default 5; --quick: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run for every task (default: per task)")
+    parser.add_argument("--eval-every", type=int, default=None, help="eval interval in steps (default: per task)")
+    parser.add_argument("--long-steps", type=int, default=0, help="also train gpt2-tiny this many steps, 1 seed, FSDP2 vs W8G8 vs W4G4 (default 0: off)")
+    parser.add_argument("--long-only", action="store_true", help="run only the long gpt2-tiny run (with --long-steps)")
+    parser.add_argument("--quick", action="store_true", help="a few steps and 2 seeds: checks the pipeline, not convergence")
+    parser.add_argument("--world-size", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument("--plot", default=None, help="write the PNG here (default: next to --json)")
+    parser.add_argument("--markdown", default=None, help="write the Markdown tables here")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="combine reports of earlier runs (e.g. one per task) instead of training")
+
+
+def _check(args: argparse.Namespace) -> tuple[list[str], int]:
+    if args.long_only and not args.long_steps:
+        raise ValueError("--long-only: needs --long-steps N (N >= 1)")
+    if args.long_only and args.tasks:
+        raise ValueError(f"--long-only: runs gpt2-tiny's long run only; drop --tasks {' '.join(args.tasks)}")
+    tasks = [] if args.long_only else args.tasks or list(TASKS)
+    for name in tasks:
+        task_by_name(name)  # names the bad value
+    seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if args.quick else 5)
+    for flag, value, low in (("--seeds", seeds, 1), ("--world-size", args.world_size, 2), ("--long-steps", args.long_steps, 0)):
+        if value < low:
+            raise ValueError(f"{flag}={value}: must be >= {low}")
+    for flag, value in (("--steps", args.steps), ("--eval-every", args.eval_every)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}={value}: must be >= 1")
+    for name in tasks:
+        select_methods(TASKS[name], args.methods)  # unknown method names fail here, before any rank starts
+    return tasks, seeds
+
+
+def run(args: argparse.Namespace) -> dict:
+    report = _merge(args.merge) if args.merge else _measure(args)
+    png = args.plot or (str(Path(args.json_path).with_suffix(".png")) if getattr(args, "json_path", None) else None)
+    if png:
+        _convergence_report.plot(report, png)
+        report["png"] = png
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(_convergence_report.markdown(report) + "\n")
+        report["markdown"] = args.markdown
+    return report
+
+
+def _merge(paths: list[str]) -> dict:
+    """One report from the JSON of several runs (e.g. one per task), without training anything."""
+    merged: dict | None = None
+    for path in paths:
+        try:
+            part = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--merge {path}: cannot read a JSON report ({exc})") from None
+        if part.get("benchmark") != "convergence":
+            raise ValueError(f"--merge {path}: benchmark={part.get('benchmark')!r}, expected 'convergence'")
+        part.pop("schema_version", None)
+        _fill_order(part)
+        if merged is None:
+            merged = {**part, "tasks": dict(part["tasks"]), "commands": list(part["commands"]), "task_order": list(part["task_order"])}
+            continue
+        if part["seeds"] != merged["seeds"] or part["quick"] != merged["quick"]:
+            raise ValueError(f"--merge {path}: seeds {part['seeds']} / quick {part['quick']} differ from the first report's")
+        twice = sorted(set(part["tasks"]) & set(merged["tasks"]))
+        if twice:
+            raise ValueError(f"--merge {path}: task(s) {twice} already in an earlier report")
+        merged["tasks"].update(part["tasks"])
+        merged["task_order"] += part["task_order"]
+        merged["commands"] += part["commands"]
+        merged["seconds"] = round(merged["seconds"] + part["seconds"], 1)
+        if part.get("long_run"):
+            if merged.get("long_run"):
+                raise ValueError(f"--merge {path}: a second long run")
+            merged["long_run"] = part["long_run"]
+    for key in ("png", "markdown"):
+        merged.pop(key, None)
+    return merged
+
+
+def _fill_order(report: dict) -> None:
+    """Orders lost to the sorted JSON keys: the task and method order of the study's definitions."""
+    report.setdefault("task_order", [name for name in TASKS if name in report["tasks"]])
+    if "command" in report:  # a single command line, as the first reports wrote it
+        report.setdefault("commands", [report.pop("command")])
+    sections = list(report["tasks"].values()) + ([report["long_run"]] if report.get("long_run") else [])
+    for section in sections:
+        section.setdefault("method_order", [m.key for m in TASKS["gpt2-tiny"].methods + TASKS["bert-tiny"].methods if m.key in section["methods"]])
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    tasks, num_seeds = _check(args)
+    seeds = list(range(num_seeds))
+    jobs: list[tuple] = []
+    settings: dict[str, dict] = {}
+    for name in tasks:
+        task = TASKS[name]
+        steps = args.steps or (task.quick_steps if args.quick else task.steps)
+        eval_every = args.eval_every or (max(1, steps // 2) if args.quick else task.eval_every)
+        eval_examples = QUICK_EVAL_EXAMPLES if args.quick else task.eval_examples
+        settings[name] = {"steps": steps, "eval_every": eval_every, "eval_examples": eval_examples}
+        jobs += [(name, method, seeds, steps, eval_every, eval_examples) for method in select_methods(task, args.methods)]
+    if args.long_steps:
+        long_eval = max(1, args.long_steps // 20)
+        jobs += [("gpt2-tiny", m, [0], args.long_steps, long_eval) for m in TASKS["gpt2-tiny"].methods if m.key in LONG_METHODS]
+    logger.info("bench convergence: %d jobs (%s) x %d seeds on %d CPU ranks", len(jobs), ", ".join(tasks), num_seeds, args.world_size)
+    started = time.perf_counter()
+    per_rank = run_on_cpu_ranks(train_seeds, args.world_size, jobs, "bench convergence", pg_timeout_s=1800, result_timeout_s=6 * 3600)
+    results = per_rank[0]  # every rank computes the same all-reduced losses
+    report: dict = {
+        "benchmark": "convergence",
+        "commands": [_command_line(args)],
+        "machine": _machine(args.world_size),
+        "seeds": seeds,
+        "quick": bool(args.quick),
+        "task_order": tasks,
+        "tasks": {},
+        "long_run": None,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    split = len(results) - (len(LONG_METHODS) if args.long_steps else 0)  # the long run's jobs come last
+    study, long = results[:split], results[split:]
+    for name in tasks:
+        task = TASKS[name]
+        mine = [r for r in study if r["task"] == name]
+        report["tasks"][name] = {
+            **settings[name],
+            "seeds": num_seeds,
+            "world_size": args.world_size,
+            "per_device_batch_size": task.per_device_batch_size,
+            "why": task.why,
+            "baseline": task.baseline.key,
+            "method_order": [r["method"] for r in mine],  # the JSON is written with sorted keys
+            "methods": _methods(task.methods, mine),
+        }
+    if long:
+        report["long_run"] = {
+            "steps": args.long_steps,
+            "eval_every": max(1, args.long_steps // 20),
+            "seeds": 1,
+            "method_order": [r["method"] for r in long],
+            "methods": _methods(TASKS["gpt2-tiny"].methods, long),
+        }
+    return report
+
+
+def _methods(methods: tuple[Method, ...], results: list[dict]) -> dict:
+    """Per method key: label, runs, eval curve band and the summary against the baseline."""
+    by_key = {r["method"]: r for r in results}
+    base_key = next(m.key for m in methods if m.baseline)
+    out = {}
+    for method in methods:
+        if method.key not in by_key:
+            continue
+        runs = by_key[method.key]["runs"]
+        out[method.key] = {
+            "label": method.label,
+            "is_baseline": method.baseline,
+            "train_method": method.train_method,
+            "qsdp": method.qsdp,
+            "config": runs[0]["config"],
+            "runs": [{k: v for k, v in run.items() if k != "config"} for run in runs],
+            "eval_curve": _convergence_stats.curve_band(runs),
+            "summary": _convergence_stats.summarize_method(runs, by_key[base_key]["runs"], method.goal_pct, is_baseline=method.baseline),
+        }
+    return out
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command that makes this report, rebuilt from the parsed options (defaults left out)."""
+    parts = ["qaccel", "bench", "convergence"]
+    for flag, value in (("--tasks", args.tasks), ("--methods", args.methods)):
+        if value:
+            parts += [flag, *value]
+    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--eval-every", args.eval_every)):
+        if value is not None:
+            parts += [flag, str(value)]
+    if args.long_steps:
+        parts += ["--long-steps", str(args.long_steps)]
+    if args.long_only:
+        parts.append("--long-only")
+    if args.quick:
+        parts.append("--quick")
+    if args.world_size != 2:
+        parts += ["--world-size", str(args.world_size)]
+    for flag, value in (("--json", getattr(args, "json_path", None)), ("--plot", args.plot), ("--markdown", args.markdown)):
+        if value:
+            parts += [flag, value]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _machine(world_size: int) -> dict:
+    import os
+
+    return {
+        "cpu": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "ranks": world_size,
+        "threads_per_rank": 1,
+        "backend": "gloo",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

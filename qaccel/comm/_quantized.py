@@ -262,22 +262,26 @@ def _timed(timer: PhaseTimer | None, kind: str, phase: str, device: torch.device
 
 
 class DecodeOnWait(dist.Work):
-    """The work of an asynchronous quantized collective: ``wait()`` finishes the transport, then decodes.
+    """The work of an asynchronous collective: ``wait()`` finishes the transport, then decodes.
 
     FSDP2 waits on the work of a prefetched all-gather right before the unit's forward needs the
     weights, so the transport overlaps the compute in between and the decode runs once, on wait.
+    ``collective`` names the ``torch.distributed`` function that started the transport: a failure
+    surfaces here, outside that function, and error reports (``qaccel.training.faults``) name it.
     """
 
-    def __init__(self, transport: dist.Work, finish) -> None:
+    def __init__(self, transport: dist.Work, finish, collective: str) -> None:
         super().__init__()
         self._transport = transport
         self._finish = finish
         self._done = False
+        self.collective = collective
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's signature; the transport has its own
         if not self._done:
             self._transport.wait()
-            self._finish()
+            if self._finish is not None:
+                self._finish()
             self._done = True
         return True
 
@@ -325,8 +329,8 @@ def quantized_all_gather(
             decode_payloads(gathered, spec, output.view(-1), offsets)
 
     if async_op:
-        work = _all_gather_single()(gathered, blob, group=group, async_op=True)
-        return DecodeOnWait(work, decode)
+        collective = _all_gather_single()
+        return DecodeOnWait(collective(gathered, blob, group=group, async_op=True), decode, collective.__name__)
     with _timed(timer, kind, "transport", device):
         _all_gather_single()(gathered, blob, group=group)
     decode()
@@ -390,7 +394,7 @@ def quantized_reduce_scatter(
 
     if async_op:
         work = dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True)
-        return DecodeOnWait(work, reduce)
+        return DecodeOnWait(work, reduce, "all_to_all_single")
     with _timed(timer, kind, "transport", device):
         dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group)
     reduce()
@@ -404,7 +408,9 @@ def counted_all_gather(
     nbytes = (group.size() - 1) * input.numel() * input.element_size()
     meter.record(kind, sent_bytes=nbytes, recv_bytes=nbytes)
     # The same call FSDP2's DefaultAllGather makes, so the pass-through is bit-identical to stock.
-    return _all_gather_single()(output, input, group=group, async_op=async_op)
+    collective = _all_gather_single()
+    work = collective(output, input, group=group, async_op=async_op)
+    return DecodeOnWait(work, None, collective.__name__) if async_op else work
 
 
 def counted_reduce_scatter(
@@ -419,4 +425,6 @@ def counted_reduce_scatter(
     """Plain ``reduce_scatter_tensor`` with FSDP's op, recording ``(P-1)*S*itemsize`` each way."""
     nbytes = (group.size() - 1) * output.numel() * output.element_size()
     meter.record(kind, sent_bytes=nbytes, recv_bytes=nbytes)
-    return _reduce_scatter_single()(output, input, op=op, group=group, async_op=async_op)
+    collective = _reduce_scatter_single()
+    work = collective(output, input, op=op, group=group, async_op=async_op)
+    return DecodeOnWait(work, None, collective.__name__) if async_op else work

@@ -76,10 +76,15 @@ def is_collective_failure(err: BaseException) -> bool:
 
 def _collective_name(tb: TracebackType | None) -> str | None:
     """The ``torch.distributed`` function the error came out of (``all_reduce``, ``all_gather_single``, ...)."""
+    from ..comm import DecodeOnWait
+
     name = None
     for frame, _ in traceback.walk_tb(tb):
         if frame.f_code.co_filename.endswith("distributed_c10d.py") and not frame.f_code.co_name.startswith("_"):
             name = frame.f_code.co_name
+        elif frame.f_code.co_name == "wait" and isinstance(frame.f_locals.get("self"), DecodeOnWait):
+            # An asynchronous (prefetched) collective fails where it is waited on, not where it started.
+            name = frame.f_locals["self"].collective
     return name
 
 

@@ -34,7 +34,7 @@ from ._e2e_methods import (
     parse_methods,
     parse_rate,
 )
-from ._e2e_netns import TX_BYTES, NamespaceError, ShapedNamespace, check_prerequisites
+from ._e2e_netns import TX_BYTES, NamespaceError, ShapedNamespace, check_prerequisites, tbf_parameters
 
 __all__ = ["add_arguments", "run", "E2EError", "plan_configs"]
 
@@ -90,6 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of every optimizer (default 1e-4)")
     parser.add_argument("--plot", default=None, help="write the PNG here (default: next to --json)")
     parser.add_argument("--markdown", default=None, help="write/replace the e2e section of this Markdown file (BENCHMARKS.md)")
+    parser.add_argument("--raw-dir", default=None,
+                        help="keep every configuration's raw result (JSON) and log in this folder (default: a temporary one)")
+    parser.add_argument("--from-raw", default=None, metavar="DIR",
+                        help="run nothing: build the report from the raw results a run left in DIR (--raw-dir), e.g. after an "
+                             "interrupted run; needs no root")  # fmt: skip
     parser.add_argument("--config-timeout", type=_positive(10), default=None,
                         help="seconds one configuration may take before it is killed (default: from the model and rate)")  # fmt: skip
 
@@ -179,6 +184,7 @@ def _run_config(args, ns: ShapedNamespace, method: str, prefetch: bool | None, r
     raw = json.loads(out.read_text())
     raw["wall_s"] = time.perf_counter() - started
     raw["qdisc"] = {k: (after[k] - before.get(k, 0)) for k in ("drops", "overlimits", "requeues") if isinstance(after.get(k), int)}
+    out.write_text(json.dumps(raw))  # with the wall time and qdisc counters, for --from-raw
     return raw
 
 
@@ -210,10 +216,69 @@ def _command_line(args: argparse.Namespace) -> str:
                                  ("--threads", args.threads, 1), ("--lr", args.lr, 1e-4)):  # fmt: skip
         if value != default:
             parts += [flag, str(value)]
-    for flag, value in (("--json", getattr(args, "json_path", None)), ("--plot", args.plot), ("--markdown", args.markdown)):
+    for flag, value in (("--json", getattr(args, "json_path", None)), ("--plot", args.plot), ("--markdown", args.markdown),
+                        ("--raw-dir", getattr(args, "raw_dir", None)), ("--from-raw", getattr(args, "from_raw", None))):
         if value:
             parts += [flag, value]
     return shlex.join(parts)
+
+
+def _row(raw: dict, method: str, prefetch: bool | None, rate: float | None) -> dict:
+    # the slowest rank sets the pace of a synchronous step
+    row = report_mod.summarize(raw, method, prefetch, rate, max(raw["compute_median_s_per_rank"]))
+    row.update(wall_s=raw.get("wall_s"), qdisc=raw.get("qdisc", {}))
+    return row
+
+
+def _error_row(method: str, prefetch: bool | None, rate: float | None, error: str) -> dict:
+    return {"label": config_label(method, prefetch), "method": method, "prefetch": prefetch,
+            "bandwidth": format_rate(rate), "rate_bits_per_s": rate, "error": error}  # fmt: skip
+
+
+def _measure_all(args: argparse.Namespace, rates: list[float | None], configs: list, tmp: Path) -> tuple[list[dict], dict, dict]:
+    env = _child_env(args.threads)
+    results: list[dict] = []
+    shaping: dict[str, dict | None] = {}
+    with ShapedNamespace() as ns:
+        namespace = ns.name
+        for rate in rates:
+            params = ns.shape(rate)
+            shaping[format_rate(rate)] = params
+            for method, prefetch in configs:
+                label = f"{config_label(method, prefetch)} @ {format_rate(rate)}"
+                _progress(f"{label} ...")
+                try:
+                    raw = _run_config(args, ns, method, prefetch, rate, tmp, env)
+                except E2EError as exc:
+                    _progress(f"{label} failed: {exc}")
+                    results.append(_error_row(method, prefetch, rate, str(exc)))
+                    continue
+                row = _row(raw, method, prefetch, rate)
+                results.append(row)
+                _progress(f"{label}: {row['step_s']:.3f} s/step, link {row['link_bytes_per_rank_step'] / 1e6:.2f} MB/rank, "
+                          f"meter {row['meter_bytes_per_rank_step'] / 1e6:.2f} MB/rank ({raw['wall_s']:.0f} s)")  # fmt: skip
+    namespace_info = {"name": namespace, "removed": not ns.exists()}
+    return results, shaping, namespace_info
+
+
+def _load_raw(folder: Path, rates: list[float | None], configs: list) -> tuple[list[dict], dict, dict]:
+    """Rows from the per-configuration files a run left in ``folder``; a configuration without a result is an error row."""
+    if not folder.is_dir():
+        raise E2EError(f"--from-raw {folder}: not a folder")
+    results: list[dict] = []
+    shaping: dict[str, dict | None] = {}
+    for rate in rates:
+        shaping[format_rate(rate)] = tbf_parameters(rate) if rate else None
+        for method, prefetch in configs:
+            label = f"{config_label(method, prefetch)}@{format_rate(rate)}"
+            path = folder / f"{label}.json"
+            if not path.exists():
+                log = folder / f"{label}.log"
+                why = "did not finish: " + _tail(log, 600) if log.exists() else "not run (no result in the folder)"
+                results.append(_error_row(method, prefetch, rate, why))
+                continue
+            results.append(_row(json.loads(path.read_text()), method, prefetch, rate))
+    return results, shaping, {"name": None, "removed": True, "rebuilt_from": str(folder)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -221,37 +286,17 @@ def run(args: argparse.Namespace) -> dict:
     args.bandwidth = args.bandwidth or ["300mbit"]
     rates = [parse_rate(b) for b in args.bandwidth]
     configs = plan_configs(args.methods, args.prefetch)
-    try:
-        check_prerequisites()
-    except NamespaceError as exc:
-        raise E2EError(str(exc)) from None
-    env = _child_env(args.threads)
-    results: list[dict] = []
-    shaping: dict[str, dict | None] = {}
-    with tempfile.TemporaryDirectory(prefix="qaccel-e2e-") as tmpdir:
-        tmp = Path(tmpdir)
-        with ShapedNamespace() as ns:
-            namespace = ns.name
-            for rate in rates:
-                params = ns.shape(rate)
-                shaping[format_rate(rate)] = params
-                for method, prefetch in configs:
-                    label = f"{config_label(method, prefetch)} @ {format_rate(rate)}"
-                    _progress(f"{label} ...")
-                    try:
-                        raw = _run_config(args, ns, method, prefetch, rate, tmp, env)
-                    except E2EError as exc:
-                        _progress(f"{label} failed: {exc}")
-                        results.append({"label": config_label(method, prefetch), "method": method, "prefetch": prefetch,
-                                        "bandwidth": format_rate(rate), "rate_bits_per_s": rate, "error": str(exc)})  # fmt: skip
-                        continue
-                    # the slowest rank sets the pace of a synchronous step
-                    row = report_mod.summarize(raw, method, prefetch, rate, max(raw["compute_median_s_per_rank"]))
-                    row.update(wall_s=raw["wall_s"], qdisc=raw["qdisc"])
-                    results.append(row)
-                    _progress(f"{label}: {row['step_s']:.3f} s/step, link {row['link_bytes_per_rank_step'] / 1e6:.2f} MB/rank, "
-                              f"meter {row['meter_bytes_per_rank_step'] / 1e6:.2f} MB/rank ({raw['wall_s']:.0f} s)")  # fmt: skip
-        removed = not ns.exists()
+    if getattr(args, "from_raw", None):
+        results, shaping, namespace = _load_raw(Path(args.from_raw), rates, configs)
+    else:
+        try:
+            check_prerequisites()
+        except NamespaceError as exc:
+            raise E2EError(str(exc)) from None
+        with tempfile.TemporaryDirectory(prefix="qaccel-e2e-") as tmpdir:
+            tmp = Path(getattr(args, "raw_dir", None) or tmpdir)
+            tmp.mkdir(parents=True, exist_ok=True)
+            results, shaping, namespace = _measure_all(args, rates, configs, tmp)
     report_mod.add_speedups(results)
     num_params = next((r["num_params"] for r in results if "num_params" in r), None)
     report = {
@@ -263,7 +308,7 @@ def run(args: argparse.Namespace) -> dict:
                      "model_config": MODELS[args.model]["config"], "world_size": args.world_size, "steps": args.steps,
                      "warmup": args.warmup, "threads": args.threads, "lr": args.lr, "prefetch": args.prefetch,
                      "methods": list(args.methods), "bandwidths": [format_rate(r) for r in rates]},  # fmt: skip
-        "namespace": {"name": namespace, "removed": removed, "device": "lo", "counter": TX_BYTES,
+        "namespace": {**namespace, "device": "lo", "counter": TX_BYTES,
                       "shaping": "tc tbf on the namespace loopback, shared by both directions and all ranks"},  # fmt: skip
         "shaping": shaping,
         "num_params": num_params,

@@ -101,6 +101,12 @@ def test_default_plan_runs_prefetch_both_ways_only_for_fsdp2_fp32_and_w8g8():
     assert e2e.plan_configs(["qsdp-w4g4", "zero-one-adam"], "both") == [("qsdp-w4g4", False), ("qsdp-w4g4", True), ("zero-one-adam", None)]
 
 
+def test_from_raw_names_a_missing_folder(tmp_path):
+    cmd = [sys.executable, "-m", "qaccel.cli", "bench", "e2e", "--from-raw", str(tmp_path / "nothing")]
+    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "--from-raw" in proc.stderr and "not a folder" in proc.stderr
+
+
 def test_token_bucket_holds_a_full_loopback_packet():
     # lo's MTU is 65536: a burst smaller than one packet makes tbf drop every large segment
     for rate in ("10mbit", "300mbit", "1gbit", "10gbit"):
@@ -116,7 +122,8 @@ def test_smoke_two_ranks_two_methods_on_a_shaped_link(tmp_path):
     md = tmp_path / "BENCHMARKS.md"
     md.write_text("# Benchmarks\n\nkept text\n")
     cmd = [sys.executable, "-m", "qaccel.cli", "bench", "e2e", "--model", "tiny", "--methods", "fsdp2-fp32,qsdp-w8g8",
-           "--prefetch", "off", "--steps", "2", "--bandwidth", "50mbit", "--json", str(out), "--markdown", str(md)]  # fmt: skip
+           "--prefetch", "off", "--steps", "2", "--bandwidth", "50mbit", "--json", str(out), "--markdown", str(md),
+           "--raw-dir", str(tmp_path / "raw")]  # fmt: skip
     proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     report = json.loads(out.read_text())
@@ -147,6 +154,14 @@ def test_smoke_two_ranks_two_methods_on_a_shaped_link(tmp_path):
     assert Path(report["png"]).stat().st_size > 0
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nkept text\n") and "| qsdp-w8g8 |" in text
+    # --from-raw rebuilds the same rows from the kept per-configuration results, without running anything.
+    rebuilt_json = tmp_path / "rebuilt.json"
+    rebuild = cmd[: cmd.index("--json")] + ["--json", str(rebuilt_json), "--from-raw", str(tmp_path / "raw")]
+    proc = subprocess.run(rebuild, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rebuilt = {r["label"]: r for r in json.loads(rebuilt_json.read_text())["results"]}
+    for label, row in rows.items():
+        assert rebuilt[label]["step_s"] == row["step_s"] and rebuilt[label]["link_bytes_per_step"] == row["link_bytes_per_step"]
 
 
 @needs_netns

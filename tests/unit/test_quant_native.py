@@ -30,16 +30,6 @@ BITS = list(range(2, 9))
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
-@pytest.fixture(scope="module")
-def cpu_kernels():
-    problem = _native.describe("cpu")["toolchain_problem"]
-    if problem is not None:
-        pytest.skip(f"C++ kernels cannot be built on this machine: {problem}")
-    kernels, reason = _native.try_load("cpu")
-    assert kernels is not None, f"the C++ kernels failed to build: {reason}"
-    return kernels
-
-
 def _assert_identical(expected: torch.Tensor, got: torch.Tensor, what: str) -> None:
     assert got.dtype == expected.dtype and got.shape == expected.shape, what
     if expected.is_floating_point():

@@ -23,16 +23,6 @@ INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float
 SEGMENTS = ((1000, True), (37, False), (0, True), (1029, True), (0, False), (5, False), (9, True), (1, True))
 
 
-@pytest.fixture(scope="module")
-def cpu_kernels():
-    problem = _native.describe("cpu")["toolchain_problem"]
-    if problem is not None:
-        pytest.skip(f"C++ kernels cannot be built on this machine: {problem}")
-    kernels, reason = _native.try_load("cpu")
-    assert kernels is not None, f"the C++ kernels failed to build: {reason}"
-    return kernels
-
-
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False

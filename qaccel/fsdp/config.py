@@ -1,8 +1,10 @@
 """``QSDPConfig``: the validated settings of quantized FSDP2 (weights and gradients on the wire).
 
 Precedence (``docs/qsdp.md``, "Settings"): explicit argument, then ``QACCEL_QSDP_<FIELD>``
-environment variables, then the ``qsdp`` section of a recipe file (``QACCEL_RECIPE`` or the
-``recipe`` argument), then the defaults below. Only the classmethods read the environment or files.
+environment variables, then the ``qsdp`` section of a config file (``QACCEL_CONFIG_FILE``, or the
+``recipe`` argument; a zoo recipe such as ``model_cards/gpt2-tiny.md`` works too, its
+``method.qsdp``), then the defaults below. Only the classmethods read the environment or files,
+through the one settings reader, :mod:`qaccel._settings`.
 
 Every source goes through the same normalisation in ``__post_init__``, so a value means the same
 thing wherever it is written: ``off`` / ``none`` / ``false`` / ``32`` (any case), ``None``, ``False``
@@ -13,21 +15,17 @@ variable is always a string, and a quoted YAML value is one too).
 
 from __future__ import annotations
 
-import json
-import os
-import re
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
+from .._settings import DEPRECATED_CONFIG_FILE_ENV, SettingsMixin, parse_bool
 from ..comm import WireCodec
 from ..quant import META_DTYPES, ROUNDINGS
 
 __all__ = ["QSDPConfig", "MASTER_WEIGHT_MODES", "ENV_PREFIX", "RECIPE_ENV", "OFF_WORDS", "AUTO_WORDS", "SPEED_ONLY_FIELDS"]
 
 ENV_PREFIX = "QACCEL_QSDP_"
-RECIPE_ENV = "QACCEL_RECIPE"
+RECIPE_ENV = DEPRECATED_CONFIG_FILE_ENV  # deprecated name of qaccel._settings.CONFIG_FILE_ENV
 MASTER_WEIGHT_MODES = ("fresh", "quantized")
 # Spellings of "this path is off" (bits fields) and "per-bit default" (bucket size, meta dtype),
 # compared after strip() and lower(); the same set is accepted from code, environment and recipes.
@@ -38,9 +36,6 @@ _BUCKET_FIELDS = ("weight_bucket_size", "grad_bucket_size")
 _META_FIELDS = ("weight_meta_dtype", "grad_meta_dtype")
 _INT_FIELDS = ("seed", "param_min_numel", "unit_min_numel")
 _WORD_FIELDS = ("rounding", "master_weights")
-_BOOL_FIELDS = ("prefetch",)
-_TRUE_WORDS = ("1", "true", "on", "yes")
-_FALSE_WORDS = ("0", "false", "off", "no")
 # Settings that change how fast a step runs but not one bit of its results: a resume may change them.
 SPEED_ONLY_FIELDS = ("prefetch",)
 
@@ -57,7 +52,7 @@ def default_bucket(bits: int) -> tuple[int, str]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class QSDPConfig:
+class QSDPConfig(SettingsMixin):
     """Settings of QSDP (Markov et al., ICML 2023) on FSDP2.
 
     Attributes:
@@ -95,18 +90,49 @@ class QSDPConfig:
             (``QACCEL_QSDP_PREFETCH``).
     """
 
-    weight_bits: int | None = 8
-    grad_bits: int | None = 8
-    weight_bucket_size: int | None = None
-    grad_bucket_size: int | None = None
-    weight_meta_dtype: str | None = None
-    grad_meta_dtype: str | None = None
-    rounding: str = "stochastic"
-    seed: int = 0
-    master_weights: str = "fresh"
-    param_min_numel: int = 1024
-    unit_min_numel: int = 4096
-    prefetch: bool = True
+    ENV_PREFIX: ClassVar[str] = ENV_PREFIX
+    RECIPE_SECTION: ClassVar[str] = "qsdp"
+    # __post_init__ reads every documented text spelling itself (from code too), so the settings
+    # reader hands it environment and flag text unchanged.
+    PARSES_TEXT: ClassVar[bool] = True
+    UNKNOWN_ENV: ClassVar[str] = "unknown QSDP setting"
+
+    weight_bits: int | None = field(
+        default=8, metadata={"help": "bits per weight on the FSDP2 all-gather: 2..8, or off for the stock collective (default 8)"}
+    )
+    grad_bits: int | None = field(
+        default=8, metadata={"help": "bits per gradient on the FSDP2 reduce-scatter: 2..8, or off for the stock collective (default 8)"}
+    )
+    weight_bucket_size: int | None = field(
+        default=None, metadata={"help": "elements per weight quantization bucket, >= 1, or auto (1024 at 8 bits, 128 below)"}
+    )
+    grad_bucket_size: int | None = field(
+        default=None, metadata={"help": "elements per gradient quantization bucket, >= 1, or auto (1024 at 8 bits, 128 below)"}
+    )
+    weight_meta_dtype: str | None = field(
+        default=None, metadata={"help": "dtype of the weight buckets' lo/scale: float32, bfloat16, or auto (fp32 at 8 bits, bf16 below)"}
+    )
+    grad_meta_dtype: str | None = field(
+        default=None, metadata={"help": "dtype of the gradient buckets' lo/scale: float32, bfloat16, or auto (fp32 at 8 bits, bf16 below)"}
+    )
+    rounding: str = field(
+        default="stochastic", metadata={"help": "stochastic (unbiased, the paper's quantizer; default) or nearest (half the error, biased)"}
+    )
+    seed: int = field(default=0, metadata={"help": "unsigned 64-bit seed of the quantization noise (default 0)"})
+    master_weights: str = field(
+        default="fresh",
+        metadata={"help": "fresh: quantize the full-precision shard before every all-gather (default); quantized: "
+                          "round the shard itself after every step (the paper's iteration; needs weight_bits)"},
+    )  # fmt: skip
+    param_min_numel: int = field(
+        default=1024, metadata={"help": "parameters that are 1-D or smaller than this travel unquantized (default 1024)"}
+    )
+    unit_min_numel: int = field(
+        default=4096, metadata={"help": "FSDP units whose padded shard is smaller keep the stock collectives; 0 quantizes all (default 4096)"}
+    )
+    prefetch: bool = field(
+        default=True, metadata={"help": "overlap each unit's all-gather with its neighbour's compute; same results, one more unit in memory (default true)"}
+    )
 
     def __post_init__(self) -> None:
         # One normalisation for every source (code, environment, recipe): see the module docstring.
@@ -129,10 +155,7 @@ class QSDPConfig:
             raise ValueError("QSDPConfig.master_weights='quantized': requires weight_bits in [2, 8], got weight_bits=None (off)")
         _check_int("param_min_numel", self.param_min_numel, 0)
         _check_int("unit_min_numel", self.unit_min_numel, 0)
-        if not isinstance(self.prefetch, bool):
-            raise ValueError(
-                f"QSDPConfig.prefetch={self.prefetch!r}: must be True/False or one of {', '.join(_TRUE_WORDS + _FALSE_WORDS)}"
-            )
+        object.__setattr__(self, "prefetch", parse_bool(self.prefetch, key="QSDPConfig.prefetch"))
 
     def differences(self, other: QSDPConfig) -> dict[str, tuple[Any, Any]]:
         """``{field: (self's value, other's value)}`` for every field that changes results and differs."""
@@ -150,77 +173,6 @@ class QSDPConfig:
     def grad_codec(self) -> WireCodec | None:
         """The reduce-scatter quantizer with per-bit defaults filled in, or ``None`` when off."""
         return _codec(self.grad_bits, self.grad_bucket_size, self.grad_meta_dtype, self.rounding)
-
-    # -- (de)serialisation -------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict; ``QSDPConfig.from_dict(c.to_dict()) == c``."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str = "dict") -> QSDPConfig:
-        """Build from a mapping of field names; unknown keys are errors naming the known ones."""
-        if not isinstance(values, Mapping):
-            raise TypeError(f"QSDPConfig.from_dict: expected a mapping, got {type(values).__name__} (from {source})")
-        return cls._build(values, {k: source for k in values})
-
-    @classmethod
-    def _build(cls, values: Mapping[str, Any], sources: Mapping[str, str]) -> QSDPConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            where = sorted({sources.get(k, "?") for k in unknown})
-            raise ValueError(f"QSDPConfig: unknown keys {unknown} (from {', '.join(where)}); known keys: {sorted(known)}")
-        with _naming_source(sources):
-            return cls(**dict(values))
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> QSDPConfig:
-        """Read the ``qsdp`` section of a YAML or JSON recipe file; ``overrides`` win."""
-        section = _read_recipe(Path(path))
-        merged = {**section, **overrides}
-        sources = {k: f"recipe {path}" for k in section} | {k: "argument" for k in overrides}
-        return cls._build(merged, sources)
-
-    @classmethod
-    def from_env(
-        cls,
-        environ: Mapping[str, str] | None = None,
-        *,
-        recipe: str | os.PathLike | None = None,
-        **overrides: Any,
-    ) -> QSDPConfig:
-        """Explicit ``overrides``, then ``QACCEL_QSDP_*`` variables, then a recipe, then defaults.
-
-        Args:
-            environ: the environment to read (default ``os.environ``).
-            recipe: a recipe file; default: the file named by ``QACCEL_RECIPE``, if set.
-            **overrides: field values given in code; ``None`` for a bits field means "off".
-
-        Raises:
-            ValueError: for an unknown ``QACCEL_QSDP_*`` name or a bad value, naming its source.
-        """
-        environ = os.environ if environ is None else environ
-        known = {f.name for f in fields(cls)}
-        values: dict[str, Any] = {}
-        sources: dict[str, str] = {}
-        recipe = recipe if recipe is not None else environ.get(RECIPE_ENV) or None
-        if recipe is not None:
-            section = _read_recipe(Path(recipe))
-            values.update(section)
-            sources.update({k: f"recipe {recipe}" for k in section})
-        for env_name, raw in environ.items():
-            if not env_name.startswith(ENV_PREFIX):
-                continue
-            field_name = env_name[len(ENV_PREFIX) :].lower()
-            if field_name not in known:
-                names = ", ".join(ENV_PREFIX + n.upper() for n in sorted(known))
-                raise ValueError(f"{env_name}: unknown QSDP setting; known names: {names}")
-            # The raw string: __post_init__ parses it exactly as it parses a string from code.
-            values[field_name] = raw
-            sources[field_name] = env_name
-        values.update(overrides)
-        sources.update({k: "argument" for k in overrides})
-        return cls._build(values, sources)
 
 
 def _codec(bits: int | None, bucket: int | None, meta: str | None, rounding: str) -> WireCodec | None:
@@ -267,13 +219,6 @@ def _normalize(name: str, value: Any) -> Any:
         return _int_from_text(value, text, 0)
     if name in _WORD_FIELDS and text is not None:
         return text
-    if name in _BOOL_FIELDS and text is not None:
-        if text in _TRUE_WORDS:
-            return True
-        if text in _FALSE_WORDS:
-            return False
-    if name in _BOOL_FIELDS and type(value) is int and value in (0, 1):
-        return bool(value)
     return value
 
 
@@ -285,39 +230,3 @@ def _int_from_text(value: Any, text: str | None, base: int) -> Any:
         return int(text, base)
     except ValueError:
         return value
-
-
-def _read_recipe(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ValueError(f"QSDP recipe {str(path)!r}: no such file")
-    text = path.read_text()
-    if path.suffix.lower() == ".json":
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
-    if not isinstance(data, Mapping) or not isinstance(data.get("qsdp", {}), Mapping):
-        raise ValueError(f"QSDP recipe {str(path)!r}: must be a mapping with a 'qsdp' mapping section")
-    return dict(data.get("qsdp", {}))
-
-
-class _naming_source:
-    """Re-raise a field's validation error with where the value came from (env name, file, ...)."""
-
-    _pattern = re.compile(r"^QSDPConfig\.(\w+)")
-
-    def __init__(self, sources: Mapping[str, str]) -> None:
-        self.sources = dict(sources)
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, (ValueError, TypeError)) or "(from " in str(exc):
-            return False
-        match = self._pattern.match(str(exc))
-        if match and match.group(1) in self.sources:
-            raise type(exc)(f"{exc} (from {self.sources[match.group(1)]})") from None
-        return False
-

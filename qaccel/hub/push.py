@@ -22,11 +22,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .._settings import env_flag
+
 __all__ = ["PushError", "push_folder", "plan_push"]
 
 logger = logging.getLogger(__name__)
 
-_TRUE = {"1", "ON", "YES", "TRUE"}
 # upload_folder's own rule: at most this many files go as one commit, whatever happens.
 _ONE_COMMIT_MAX_FILES = 20
 
@@ -42,7 +43,7 @@ def _redact(text: str, token: str | None) -> str:
 def _offline() -> bool:
     from huggingface_hub import constants
 
-    env = any(os.environ.get(name, "").upper() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    env = any(env_flag(name) for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     return env or constants.is_offline_mode()
 
 

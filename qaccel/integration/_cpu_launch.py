@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from accelerate import utils as accelerate_utils
 
+from .._settings import env_flag
+
 __all__ = ["before_init", "launch_world_size", "is_multi_process_launch", "usable_accelerator"]
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ def usable_accelerator() -> str | None:
 
 
 def _forced_cpu(environ: Mapping[str, str]) -> bool:
-    return environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
+    return env_flag("ACCELERATE_USE_CPU", environ)
 
 
 def before_init(kwargs: dict[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -8,50 +8,28 @@ accepted; any other value raises (``docs/zero_one_adam.md``, "DeepSpeed compatib
 
 Precedence, the same as QSDP's: explicit argument, then ``QACCEL_ZERO_ONE_ADAM_<FIELD>`` /
 ``QACCEL_ONEBIT_ADAM_<FIELD>`` environment variables, then the ``zero_one_adam`` / ``onebit_adam`` section
-of a recipe file (``QACCEL_RECIPE`` or the ``recipe`` argument), then the defaults. Only the classmethods
-(``from_env``, ``resolve``) read the environment or files; ``ZeroOneAdamConfig(...)`` itself is pure.
+of a config file (``QACCEL_CONFIG_FILE`` or the ``recipe`` argument; a zoo recipe such as
+``model_cards/bert-tiny.md`` works too, its ``method.zero_one_adam``), then the defaults. Only the
+classmethods (``from_env``, ``resolve``) read the environment or files, through the one settings reader,
+:mod:`qaccel._settings`; ``ZeroOneAdamConfig(...)`` itself is pure.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .._settings import DEPRECATED_CONFIG_FILE_ENV, SettingsMixin
 from ..comm import ONEBIT_PADDINGS
 
 __all__ = ["ZeroOneAdamConfig", "OneBitAdamConfig", "GRANULARITIES", "RECIPE_ENV"]
 
 GRANULARITIES = ("tensor", "group")
-RECIPE_ENV = "QACCEL_RECIPE"
-"""Names a recipe file (YAML or JSON) whose ``zero_one_adam`` / ``onebit_adam`` section gives settings."""
-
-
-def _parse_bool(text: str) -> bool:
-    words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-    if text.strip().lower() not in words:
-        raise ValueError(f"{text!r} is not a boolean (use 1/0/true/false/yes/no)")
-    return words[text.strip().lower()]
-
-
-def _parse_betas(text: str) -> tuple[float, float]:
-    parts = [part for part in text.replace("(", "").replace(")", "").split(",") if part.strip()]
-    if len(parts) != 2:
-        raise ValueError(f"{text!r} is not two comma-separated floats, e.g. '0.9,0.999'")
-    return float(parts[0]), float(parts[1])
-
-
-_PARSERS: dict[str, Callable[[str], Any]] = {
-    "float": float,
-    "int": int,
-    "bool": _parse_bool,
-    "str": str,
-    "tuple[float, float]": _parse_betas,
-}
+RECIPE_ENV = DEPRECATED_CONFIG_FILE_ENV
+"""Deprecated name of the variable that names a config file; use ``QACCEL_CONFIG_FILE`` (``qaccel._settings``)."""
 
 
 def _is_number(value: object) -> bool:
@@ -63,26 +41,32 @@ def _is_int(value: object) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _OneBitConfigBase:
+class _OneBitConfigBase(SettingsMixin):
     """Fields shared by both optimizers; see the subclasses for the documentation."""
 
-    ENV_PREFIX: ClassVar[str] = ""
-    RECIPE_SECTION: ClassVar[str] = ""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    granularity: str = "tensor"
-    padding: str = "deepspeed"
-    gradient_clipping: float = 0.0
-    replica_check_interval: int = 0
-    bias_correction: bool = False
-    eps_inside_sqrt: bool = False
-    amsgrad: bool = False
-    max_grad_norm: float = 0.0
-    cuda_aware: bool = False
-    comm_backend_name: str = "nccl"
+    lr: float = field(default=1e-3, metadata={"help": "learning rate, >= 0; a param group's lr overrides it (default 1e-3)"})
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "beta1,beta2, each in [0, 1) (default 0.9,0.999)"})
+    eps: float = field(default=1e-8, metadata={"help": "> 0, added outside the square root (default 1e-8)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay inside the update, >= 0 (default 0)"})
+    granularity: str = field(
+        default="tensor",
+        metadata={"help": "what one compressed all-reduce covers: tensor (each parameter; default) or group (one flat buffer per param group)"},
+    )
+    padding: str = field(
+        default="deepspeed", metadata={"help": "deepspeed (pad to N*lcm(N, 8), numeric parity; default) or minimal (multiple of 8N)"}
+    )
+    gradient_clipping: float = field(default=0.0, metadata={"help": "max global L2 norm of the gradient; 0 disables (default 0)"})
+    replica_check_interval: int = field(
+        default=0, metadata={"help": "every N optimizer steps, check that all replicas agree (one small all-gather); 0: never (default)"}
+    )
+    bias_correction: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (no bias correction is applied)"})
+    eps_inside_sqrt: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (eps is added outside the sqrt)"})
+    amsgrad: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (AMSGrad is not supported)"})
+    max_grad_norm: float = field(default=0.0, metadata={"help": "DeepSpeed compatibility key; only 0 (use gradient_clipping)"})
+    cuda_aware: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (it concerns DeepSpeed's MPI backend)"})
+    comm_backend_name: str = field(
+        default="nccl", metadata={"help": "DeepSpeed compatibility key; only nccl (qaccel uses the given torch.distributed group)"}
+    )
 
     def _fail(self, key: str, value: object, allowed: str, error: type[Exception] = ValueError) -> None:
         raise error(f"{type(self).__name__}.{key}={value!r}: {allowed}")
@@ -131,121 +115,6 @@ class _OneBitConfigBase:
                 "given (NCCL on GPU, gloo on CPU); DeepSpeed's mpi/hccl/compressed backends do not exist here",
                 NotImplementedError,
             )
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> _OneBitConfigBase:
-        """Build from a mapping with DeepSpeed key names (e.g. a DeepSpeed JSON ``params`` block).
-
-        Raises:
-            ValueError: for an unknown key (listing the known ones) or an invalid value.
-        """
-        known = cls.field_names()
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ValueError(f"{cls.__name__}.from_dict: unknown keys {unknown}; known keys: {', '.join(known)}")
-        values = dict(data)
-        if isinstance(values.get("betas"), list):
-            values["betas"] = tuple(values["betas"])
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict that ``from_dict`` turns back into an equal config."""
-        data = asdict(self)
-        data["betas"] = list(self.betas)
-        return data
-
-    @classmethod
-    def from_env(
-        cls,
-        environ: Mapping[str, str] | None = None,
-        *,
-        recipe: str | os.PathLike | Mapping[str, Any] | None = None,
-        **overrides: Any,
-    ) -> _OneBitConfigBase:
-        """Explicit ``overrides``, then ``<ENV_PREFIX><FIELD>`` variables, then a recipe, then the defaults.
-
-        Args:
-            environ: the environment to read (default ``os.environ``).
-            recipe: a YAML/JSON file whose ``RECIPE_SECTION`` section (``zero_one_adam`` or ``onebit_adam``)
-                holds settings, or that section as a mapping; default: the file named by ``QACCEL_RECIPE``,
-                if set. A file without the section contributes nothing.
-            **overrides: field values given in code.
-
-        Raises:
-            ValueError: for a variable under the prefix or a recipe key that names no field, or a value that
-                does not parse or validate (the message names the variable or the recipe).
-        """
-        environ = os.environ if environ is None else environ
-        types = {f.name: f.type for f in fields(cls)}
-        unknown_overrides = sorted(set(overrides) - set(types))
-        if unknown_overrides:
-            raise ValueError(f"{cls.__name__}.from_env: unknown arguments {unknown_overrides}")
-        values: dict[str, Any] = {}
-        sources: dict[str, str] = {}
-        if recipe is None and environ.get(RECIPE_ENV):
-            recipe = environ[RECIPE_ENV]
-        if recipe is not None:
-            section, where = cls._recipe_section(recipe)
-            unknown = sorted(set(section) - set(types))
-            if unknown:
-                raise ValueError(f"{cls.__name__}: unknown keys {unknown} (from {where}); known keys: {', '.join(types)}")
-            values.update(section)
-            if isinstance(values.get("betas"), list):
-                values["betas"] = tuple(values["betas"])
-            sources.update({key: where for key in section})
-        for name, text in environ.items():
-            if not name.startswith(cls.ENV_PREFIX):
-                continue
-            key = name[len(cls.ENV_PREFIX) :].lower()
-            if key not in types:
-                known = ", ".join(cls.ENV_PREFIX + k.upper() for k in types)
-                raise ValueError(f"{name}: not a {cls.__name__} field; known variables: {known}")
-            try:
-                values[key] = _PARSERS[str(types[key])](text)
-            except ValueError as err:
-                raise ValueError(f"{cls.__name__}.{key}={text!r} (from {name}): {err}") from None
-            sources[key] = name
-        values.update(overrides)
-        for key in overrides:
-            sources.pop(key, None)
-        try:
-            return cls(**values)
-        except (ValueError, NotImplementedError, TypeError) as err:
-            if sources:
-                where = "; ".join(f"{key} from {source}" for key, source in sorted(sources.items()))
-                raise type(err)(f"{err} (settings not given as arguments: {where})") from None
-            raise
-
-    @classmethod
-    def _recipe_section(cls, recipe: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-        """(settings, description of where they came from) of the recipe's ``RECIPE_SECTION``."""
-        if isinstance(recipe, Mapping):
-            return dict(recipe), f"recipe {cls.RECIPE_SECTION} mapping"
-        path = Path(recipe)
-        if not path.is_file():
-            raise ValueError(f"{cls.__name__} recipe {str(path)!r}: no such file")
-        text = path.read_text(encoding="utf-8")
-        import yaml
-
-        try:
-            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as err:
-            raise ValueError(f"{cls.__name__} recipe {str(path)!r}: not valid JSON/YAML ({err})") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{cls.__name__} recipe {str(path)!r}: must be a mapping of sections")
-        section = data.get(cls.RECIPE_SECTION) or {}
-        if not isinstance(section, Mapping):
-            raise ValueError(
-                f"{cls.__name__} recipe {str(path)!r}: the {cls.RECIPE_SECTION!r} section must be a mapping of "
-                f"{cls.__name__} fields, got {type(section).__name__}"
-            )
-        return dict(section), f"recipe {path}"
 
     @classmethod
     def resolve(
@@ -307,8 +176,8 @@ class ZeroOneAdamConfig(_OneBitConfigBase):
         bias_correction, eps_inside_sqrt, amsgrad, max_grad_norm, cuda_aware, comm_backend_name:
             DeepSpeed compatibility keys; only False / False / False / 0 / False / "nccl" are accepted.
 
-    Environment and recipe: ``QACCEL_ZERO_ONE_ADAM_<FIELD>`` (e.g. ``QACCEL_ZERO_ONE_ADAM_VAR_FREEZE_STEP=1000``)
-    and the ``zero_one_adam`` section of the recipe named by ``QACCEL_RECIPE``; see :meth:`from_env`.
+    Environment and config file: ``QACCEL_ZERO_ONE_ADAM_<FIELD>`` (e.g. ``QACCEL_ZERO_ONE_ADAM_VAR_FREEZE_STEP=1000``)
+    and the ``zero_one_adam`` section of the file named by ``QACCEL_CONFIG_FILE``; see :meth:`from_env`.
     ``ZeroOneAdam(params, lr=...)`` without a config reads both (argument > environment > recipe > default).
 
     Example::
@@ -320,10 +189,14 @@ class ZeroOneAdamConfig(_OneBitConfigBase):
     ENV_PREFIX: ClassVar[str] = "QACCEL_ZERO_ONE_ADAM_"
     RECIPE_SECTION: ClassVar[str] = "zero_one_adam"
 
-    var_freeze_step: int = 100000
-    var_update_scaler: int = 16
-    local_step_scaler: int = 32678
-    local_step_clipper: int = 16
+    var_freeze_step: int = field(
+        default=100000, metadata={"help": "F: the last step that updates the variance; later steps are local steps (default 100000)"}
+    )
+    var_update_scaler: int = field(default=16, metadata={"help": "kappa: variance updates per interval before it doubles, >= 1 (default 16)"})
+    local_step_scaler: int = field(
+        default=32678, metadata={"help": "alpha: local steps between doublings of the sync interval, >= 1 (default 32678, DeepSpeed's)"}
+    )
+    local_step_clipper: int = field(default=16, metadata={"help": "H: the largest sync interval, >= 1 (default 16)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -346,13 +219,15 @@ class OneBitAdamConfig(_OneBitConfigBase):
         lr, betas, eps, weight_decay, granularity, padding, gradient_clipping, replica_check_interval and
             the compatibility keys: as in :class:`ZeroOneAdamConfig`.
 
-    Environment and recipe: ``QACCEL_ONEBIT_ADAM_<FIELD>`` and the ``onebit_adam`` recipe section.
+    Environment and config file: ``QACCEL_ONEBIT_ADAM_<FIELD>`` and the ``onebit_adam`` section.
     """
 
     ENV_PREFIX: ClassVar[str] = "QACCEL_ONEBIT_ADAM_"
     RECIPE_SECTION: ClassVar[str] = "onebit_adam"
 
-    freeze_step: int = 100000
+    freeze_step: int = field(
+        default=100000, metadata={"help": "full Adam up to this step, then frozen variance and 1-bit momentum all-reduce (default 100000)"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -45,7 +45,8 @@ class ZeroOneAdam(OneBitOptimizerBase):
             ``var_update_scaler``, ``local_step_scaler``, ``local_step_clipper``, ``granularity``), then
             ``QACCEL_ZERO_ONE_ADAM_<FIELD>`` variables, then the recipe, then the defaults.
         recipe: a YAML/JSON file with a ``zero_one_adam`` section, or that section as a mapping (default:
-            the file named by ``QACCEL_RECIPE``, if set). Not together with ``config``.
+            the file named by ``QACCEL_CONFIG_FILE``, if set; a zoo recipe such as ``model_cards/bert-tiny.md``
+            works too). Not together with ``config``.
         process_group: group to average over (default: the default group if torch.distributed is
             initialized, else world size 1, where the 1-bit all-reduce is the identity).
         wire_meter: where the 1-bit all-reduce records its bytes (default: the process-wide meter).

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .._settings import env_flag
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -25,7 +27,6 @@ TASK_AUTO_CLASSES = {
     "masked-lm": "AutoModelForMaskedLM",
     "sequence-classification": "AutoModelForSequenceClassification",
 }
-_TRUE = ("1", "true", "yes", "on")
 
 
 def _hub_offline() -> bool:
@@ -34,7 +35,7 @@ def _hub_offline() -> bool:
 
     if constants.HF_HUB_OFFLINE:
         return True
-    return any(os.environ.get(name, "").strip().lower() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(env_flag(name) for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def _offline_help(name: str) -> str:

@@ -68,7 +68,7 @@ def test_env_parsing_and_precedence(tmp_path):
         "QACCEL_QSDP_GRAD_BITS": "off",
         "QACCEL_QSDP_WEIGHT_BUCKET_SIZE": "256",
         "QACCEL_QSDP_WEIGHT_META_DTYPE": "bfloat16",
-        "QACCEL_RECIPE": str(recipe),
+        "QACCEL_CONFIG_FILE": str(recipe),
         "UNRELATED": "x",
     }
     config = QSDPConfig.from_env(env, seed=11)
@@ -91,8 +91,8 @@ def test_env_errors_name_the_variable(tmp_path):
         QSDPConfig.from_env({"QACCEL_QSDP_SEED": "abc"})
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"qsdp": {"grad_bits": 9}}))
-    with pytest.raises(ValueError, match=r"grad_bits=9: .*\(from recipe .*bad\.json\)"):
-        QSDPConfig.from_env({"QACCEL_RECIPE": str(bad)})
+    with pytest.raises(ValueError, match=r"grad_bits=9: .*\(from recipe .*bad\.json, key qsdp\.grad_bits\)"):
+        QSDPConfig.from_env({"QACCEL_CONFIG_FILE": str(bad)})
     with pytest.raises(ValueError, match="no such file"):
         QSDPConfig.from_file(tmp_path / "missing.yaml")
 
@@ -117,7 +117,7 @@ def _from_yaml_recipe(field, value, tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"qsdp": {field: value}}))
     assert yaml.safe_load(path.read_text())["qsdp"][field] == value  # the file holds this very value
-    return QSDPConfig.from_env({"QACCEL_RECIPE": str(path)})
+    return QSDPConfig.from_env({"QACCEL_CONFIG_FILE": str(path)})
 
 
 def _from_json_recipe(field, value, tmp_path):

@@ -21,7 +21,7 @@ FSDP_KWARGS = {"auto_wrap_policy": "transformer_based_wrap", "transformer_cls_na
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("FSDP_VERSION", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "QACCEL_RECIPE", "WORLD_SIZE"):
+    for name in ("FSDP_VERSION", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "QACCEL_CONFIG_FILE", "QACCEL_RECIPE", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name in [n for n in os.environ if n.startswith(("QACCEL_QSDP_", "FSDP_"))]:
         monkeypatch.delenv(name)

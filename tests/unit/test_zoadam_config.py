@@ -108,7 +108,7 @@ def test_optimizer_accepts_config_or_keywords():
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in list(__import__("os").environ):
-        if name.startswith(("QACCEL_ZERO_ONE_ADAM_", "QACCEL_ONEBIT_ADAM_", "QACCEL_RECIPE")):
+        if name.startswith(("QACCEL_ZERO_ONE_ADAM_", "QACCEL_ONEBIT_ADAM_", "QACCEL_CONFIG_FILE", "QACCEL_RECIPE")):
             monkeypatch.delenv(name)
     return monkeypatch
 
@@ -156,7 +156,7 @@ def test_recipe_sits_between_environment_and_defaults(clean_env, tmp_path):
         "zero_one_adam: {var_freeze_step: 9, local_step_scaler: 5, betas: [0.8, 0.99]}\n"
         "onebit_adam: {freeze_step: 13}\n"
     )
-    clean_env.setenv("QACCEL_RECIPE", str(recipe))
+    clean_env.setenv("QACCEL_CONFIG_FILE", str(recipe))
     cfg = ZeroOneAdam([_param()]).config
     assert (cfg.var_freeze_step, cfg.local_step_scaler, cfg.betas) == (9, 5, (0.8, 0.99))
     assert cfg.local_step_clipper == 16  # not in the recipe: the default
@@ -165,7 +165,7 @@ def test_recipe_sits_between_environment_and_defaults(clean_env, tmp_path):
     assert (cfg.var_freeze_step, cfg.local_step_scaler) == (9, 6)
     assert ZeroOneAdam([_param()], local_step_scaler=2).config.local_step_scaler == 2  # argument beats both
     assert OneBitAdam([_param()]).config.freeze_step == 13
-    # an explicit recipe (file or mapping) replaces QACCEL_RECIPE
+    # an explicit recipe (file or mapping) replaces QACCEL_CONFIG_FILE
     assert ZeroOneAdam([_param()], recipe={"var_freeze_step": 4}).config.var_freeze_step == 4
     other = tmp_path / "other.json"
     other.write_text('{"zero_one_adam": {"var_freeze_step": 21}}')

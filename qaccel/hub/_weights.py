@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .._safe_pickle import check_dcp_metadata
+from ..checkpoint import check_dcp_metadata, load_torch_file
 
 __all__ = ["WeightSource", "SavedWeights", "find_weights"]
 
@@ -118,11 +118,8 @@ def _check_safetensors(path: Path) -> dict:
     return header
 
 
-def _load_torch_file(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - a damaged zip/pickle raises anything
-        raise ValueError(f"{path}: unreadable ({type(err).__name__}: {err}); the file is truncated or corrupted") from None
+def _load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
+    state = load_torch_file(path)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path}: expected a state dict of tensors")
     return state
@@ -149,7 +146,7 @@ class SavedWeights:
             self.keys = {k for k in header if k != "__metadata__"}
             dtypes = [_SAFETENSORS_DTYPES[header[k]["dtype"]] for k in self.keys if header[k]["dtype"] in _SAFETENSORS_DTYPES]
         else:
-            self._state = _load_torch_file(source.path)
+            self._state = _load_state_dict_file(source.path)
             self.keys = set(self._state)
             dtypes = [t.dtype for t in self._state.values()]
         #: the most common floating dtype of the saved weights: the export keeps it

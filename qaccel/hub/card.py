@@ -22,7 +22,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .run_state import METHODS, TASKS
+from ..checkpoint import METHODS, TASKS
 
 __all__ = ["build_model_card", "BNB_DESCRIPTIONS"]
 

@@ -19,11 +19,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .._extras import require_extra
 from .._version import __version__
-from ._fs import install_dir, staging_dir, write_text_atomic
+from ..checkpoint import MODEL_FILES_DIR, TASKS, atomic_write_json, install_dir, open_checkpoint, staging_dir
 from ._weights import SavedWeights, find_weights
 from .card import BNB_DESCRIPTIONS, build_model_card
-from .run_state import MODEL_FILES_DIR, TASKS, read_run_state
 
 __all__ = ["BNB_CHOICES", "SIDECAR_FILE", "export_checkpoint", "safetensors_metadata", "bnb_config"]
 
@@ -40,10 +40,7 @@ def _check_bnb(bnb: str | None) -> None:
         return
     if bnb not in BNB_CHOICES:
         raise ValueError(f"export bnb={bnb!r}: must be one of {list(BNB_CHOICES)} or None (full precision)")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as err:
-        raise RuntimeError(f"export --bnb {bnb} needs bitsandbytes ({err}); install it with `pip install qaccel[bnb]`") from None
+    require_extra("bnb", f"export --bnb {bnb}")
 
 
 def bnb_config(bnb: str, compute_dtype: Any = None) -> Any:
@@ -172,9 +169,9 @@ def export_checkpoint(
     """Write a Hugging Face model folder from a qaccel training checkpoint.
 
     Args:
-        checkpoint_dir: a ``checkpoint-STEP/`` folder: Accelerate's ``save_state`` files (FSDP2
-            sharded DCP, FSDP2 full state dict, or DDP safetensors) plus ``qaccel_state.json`` and
-            ``hf_model/``.
+        checkpoint_dir: a complete ``checkpoint-STEP/`` folder (``qaccel.checkpoint.save_checkpoint``):
+            Accelerate's ``save_state`` files (FSDP2 sharded DCP, FSDP2 full state dict, or DDP
+            safetensors) plus ``qaccel_state.json``, ``hf_model/`` and ``manifest.json``.
         out_dir: the folder to create.
         bnb: ``None`` for the full-precision weights, ``"int8"`` or ``"nf4"`` for a
             bitsandbytes-quantized folder (quantized on CPU through transformers).
@@ -186,6 +183,8 @@ def export_checkpoint(
         ``out_dir``.
 
     Raises:
+        CheckpointError: (a ValueError) no manifest, or a file that is missing, truncated, altered or
+            not listed in it (named), exactly as on resume; unsafe DCP metadata.
         FileNotFoundError: no ``qaccel_state.json``, no ``hf_model/config.json`` or no weights.
         FileExistsError: ``out_dir`` exists, is not empty, and ``overwrite`` is false.
         ValueError: an unknown ``bnb``; a truncated or corrupted file (named); weights that do not
@@ -195,7 +194,9 @@ def export_checkpoint(
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     _check_bnb(bnb)
     _check_out_dir(out_dir, checkpoint_dir, overwrite)
-    run_state = read_run_state(checkpoint_dir)
+    # The check resume makes, with the same errors, before anything is read: every file against the
+    # manifest, DCP metadata pickles vetted.
+    run_state = open_checkpoint(checkpoint_dir)
     hf_dir = checkpoint_dir / MODEL_FILES_DIR
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"{hf_dir}: not found; the checkpoint lacks the model config (save_checkpoint_metadata writes it)")
@@ -224,7 +225,7 @@ def export_checkpoint(
         _copy_model_files(hf_dir, staged)
         _stamp_metadata(staged, safetensors_metadata(run_state, bnb))
         sidecar = _sidecar(run_state, bnb, weights_dtype, checkpoint_dir)
-        write_text_atomic(staged / SIDECAR_FILE, json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+        atomic_write_json(staged / SIDECAR_FILE, sidecar)
         card = build_model_card(run_state, model_name=model_name or out_dir.name, bnb=bnb, weights_dtype=weights_dtype)
         card.save(str(staged / "README.md"))
         install_dir(staged, out_dir)

@@ -17,7 +17,6 @@ Order (``docs/qsdp.md``, "Accelerate"):
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from dataclasses import KW_ONLY, InitVar, dataclass, field
@@ -29,14 +28,14 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from .._settings import env_flag
+from ..checkpoint import QSDP_STATE_FILE, atomic_write_json, read_json
 from ..fsdp import QSDPConfig, QSDPHandle, install_qsdp
 from .cpu_fsdp import enable_fsdp2_on_cpu
 
 __all__ = ["QSDPPlugin", "before_init", "after_init", "before_prepare", "after_prepare"]
 
 logger = logging.getLogger(__name__)
-
-QSDP_STATE_FILE = "qaccel_qsdp.json"
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,15 +73,16 @@ class QSDPPlugin(FullyShardedDataParallelPlugin):
     ``qsdp_config`` is a real field, so ``repr``, ``dataclasses.fields`` and
     ``dataclasses.replace`` keep it. The QSDP settings may be given as a ready ``qsdp_config`` or
     as keywords named after ``QSDPConfig`` fields (``weight_bits=4``, ...); keywords not given come
-    from ``QACCEL_QSDP_*`` variables, then the ``qsdp`` section of the recipe file (``recipe`` or
-    ``QACCEL_RECIPE``), then the defaults, and ``__post_init__`` turns them into ``qsdp_config``.
+    from ``QACCEL_QSDP_*`` variables, then the ``qsdp`` section of the config file (``recipe`` or
+    ``QACCEL_CONFIG_FILE``), then the defaults, and ``__post_init__`` turns them into ``qsdp_config``.
     All other fields are ``FullyShardedDataParallelPlugin``'s (auto-wrap, ``reshard_after_forward``,
     mixed precision, state-dict type, ...), which still read Accelerate's ``FSDP_*`` variables.
     ``fsdp_version`` defaults to 2 (``FSDP_VERSION`` if set); anything else is refused.
 
     Args:
         qsdp_config: a ready config (then no QSDP keyword and no recipe may be given).
-        recipe: a YAML/JSON recipe file with a ``qsdp`` section.
+        recipe: a YAML/JSON config file with a ``qsdp`` section, or a zoo recipe such as
+            ``model_cards/gpt2-tiny.md`` (its ``method.qsdp``).
         weight_bits, grad_bits, ...: ``QSDPConfig`` fields (init-only).
 
     Raises:
@@ -136,7 +136,7 @@ class QSDPPlugin(FullyShardedDataParallelPlugin):
 
 
 def _launched_with_fsdp2() -> bool:
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION", "1") == "2"
+    return env_flag("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") == "2"
 
 
 def _world_size_from_env() -> int:
@@ -230,10 +230,7 @@ def after_prepare(accelerator: Any, objects: list) -> None:
 
 def write_qsdp_state(handle: QSDPHandle, output_dir: str | os.PathLike) -> None:
     """Write ``qaccel_qsdp.json`` (seed counters, world size, config) atomically; main process only."""
-    path = Path(output_dir) / QSDP_STATE_FILE
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(handle.state_dict(), indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_json(Path(output_dir) / QSDP_STATE_FILE, handle.state_dict())
 
 
 def read_qsdp_state(handle: QSDPHandle, input_dir: str | os.PathLike) -> bool:
@@ -249,5 +246,5 @@ def read_qsdp_state(handle: QSDPHandle, input_dir: str | os.PathLike) -> bool:
             "unaffected otherwise", input_dir, QSDP_STATE_FILE,
         )  # fmt: skip
         return False
-    handle.load_state_dict(json.loads(path.read_text()))
+    handle.load_state_dict(read_json(path))
     return True

@@ -9,6 +9,9 @@ the RNG states itself. What ``qaccel.Accelerator`` would have added to ``save_st
 - 0/1 Adam / 1-bit Adam: ``qaccel_zoadam_rank{r}.pt`` (every rank): that rank's error buffers, momentum
   accumulator and, between 0/1 Adam syncs, its local weights; written and staged by the same functions
   ``save_state`` / ``load_state`` use, so the files and their checks are identical.
+
+The file names and the atomic writer are ``qaccel.checkpoint``'s; ``TrainingArguments.save_total_limit``
+rotates these folders through transformers' own rotation, after the new checkpoint is written.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from . import _zero_one_adam
-from ._qsdp import QSDP_STATE_FILE, read_qsdp_state, write_qsdp_state
+from ._qsdp import read_qsdp_state, write_qsdp_state
 
-__all__ = ["QSDP_STATE_FILE", "save_qaccel_state", "stage_onebit_state", "load_qsdp_state"]
+__all__ = ["save_qaccel_state", "stage_onebit_state", "load_qsdp_state"]
 
 logger = logging.getLogger(__name__)
 

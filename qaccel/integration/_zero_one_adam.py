@@ -19,22 +19,20 @@ With one process there is no DDP model; the optimizer runs with world size 1 (1-
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
-import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch.nn.parallel import DistributedDataParallel
 
+from ..checkpoint import atomic_torch_save, load_torch_file, onebit_rank_path
 from ..optim import OneBitOptimizerBase, register_ddp_comm_hook
+from ._accelerate_internals import prepared_optimizers
 
-__all__ = ["after_prepare", "RANK_FILE"]
+__all__ = ["after_prepare"]
 
 logger = logging.getLogger(__name__)
 
-RANK_FILE = "qaccel_zoadam_rank{rank}.pt"
 _UNSUPPORTED = {
     DistributedType.FSDP: "FSDP shards parameters and optimizer state",
     DistributedType.DEEPSPEED: "DeepSpeed brings its own engine (use DeepSpeed's ZeroOneAdam there)",
@@ -43,11 +41,11 @@ _UNSUPPORTED = {
 
 
 def _onebit_optimizers(accelerator: Any) -> list[OneBitOptimizerBase]:
-    # Accelerate keeps every prepared optimizer in ``_optimizers``; a model and its optimizer may come from
-    # different prepare calls, so look at all of them, not only this call's objects.
+    # A model and its optimizer may come from different prepare calls, so look at all of them, not only
+    # this call's objects.
     return [
         opt.optimizer
-        for opt in accelerator._optimizers
+        for opt in prepared_optimizers(accelerator)
         if isinstance(opt, AcceleratedOptimizer) and isinstance(opt.optimizer, OneBitOptimizerBase)
     ]
 
@@ -95,17 +93,10 @@ def after_prepare(accelerator: Any, objects: list) -> None:
             logger.info("%s config: %s", type(optimizer).__name__, optimizer.config.to_dict())
 
 
-def _rank_path(directory: str | os.PathLike, rank: int) -> Path:
-    return Path(directory) / RANK_FILE.format(rank=rank)
-
-
 def _save_hook(accelerator: Any):
     def save(models: list, weights: list, output_dir: str) -> None:
         for optimizer in _onebit_optimizers(accelerator):
-            path = _rank_path(output_dir, accelerator.process_index)
-            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            torch.save(optimizer.rank_state_dict(), tmp)
-            os.replace(tmp, path)  # atomic: a crash never leaves a half-written rank file
+            atomic_torch_save(optimizer.rank_state_dict(), onebit_rank_path(output_dir, accelerator.process_index))
 
     return save
 
@@ -114,14 +105,14 @@ def _load_hook(accelerator: Any):
     def load(models: list, input_dir: str) -> None:
         for optimizer in _onebit_optimizers(accelerator):
             rank, world = accelerator.process_index, accelerator.num_processes
-            path = _rank_path(input_dir, rank)
+            path = onebit_rank_path(input_dir, rank)
             if not path.exists():
                 logger.warning(
                     "rank %d: %s not found; this rank resumes without its error buffers (all ranks will reset "
                     "them and average weights and momentum)", rank, path.name,
                 )  # fmt: skip
                 continue
-            payload = torch.load(path, map_location="cpu", weights_only=True)
+            payload = load_torch_file(path)  # weights_only: tensors and plain values, no code
             if payload.get("world_size") != world:
                 logger.warning(
                     "rank %d: %s was saved with world size %s, now %d: error feedback is reset",

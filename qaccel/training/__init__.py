@@ -1,20 +1,12 @@
-"""What ``scripts/train.py`` is built from: method set-up, checkpoints, evaluation, the metrics log, guards.
+"""What ``scripts/train.py`` is built from: method set-up, the resume rules, evaluation, the metrics log, guards.
 
-Above ``qaccel.integration`` and ``qaccel.zoo``: it turns a recipe and flags into a run.
+Above ``qaccel.integration`` and ``qaccel.zoo``: it turns a recipe and flags into a run. The checkpoint
+format itself (saving, verifying, rotating) is ``qaccel.checkpoint``.
 """
 
-from .checkpoints import (
-    CheckpointError,
-    checkpoint_path,
-    latest_checkpoint,
-    list_checkpoints,
-    resolve_resume,
-    save_checkpoint,
-    verify_checkpoint,
-)
 from .collate import BatchSeededCollator
 from .evaluation import evaluate_model
-from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S, FaultReporter, is_collective_failure
+from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S, FaultReporter, is_collective_failure, process_group_timeout
 from .guards import (
     ENV_CHECK_REPLICAS,
     NonFiniteError,
@@ -26,6 +18,7 @@ from .guards import (
 )
 from .methods import METHODS, MethodPlan, build_accelerator, build_optimizer, meter_stock_ddp, plan_method
 from .metrics_log import MetricsLog, read_metrics
+from .resume import check_resume
 
 __all__ = [
     "BatchSeededCollator",
@@ -35,19 +28,14 @@ __all__ = [
     "build_accelerator",
     "build_optimizer",
     "meter_stock_ddp",
-    "CheckpointError",
-    "checkpoint_path",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "resolve_resume",
-    "save_checkpoint",
-    "verify_checkpoint",
+    "check_resume",
     "evaluate_model",
     "MetricsLog",
     "read_metrics",
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "FaultReporter",
     "is_collective_failure",
+    "process_group_timeout",
     "ENV_CHECK_REPLICAS",
     "NonFiniteError",
     "NonFiniteGuard",

@@ -22,7 +22,6 @@ files.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -30,14 +29,14 @@ import os
 import platform
 import sys
 import sysconfig
-import tempfile
 import tokenize
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from ..checkpoint import atomic_write_text, file_sha256
 from ._pysource import CommentLine, comment_lines, docstrings, scan_tokens
 
 __all__ = [
@@ -51,9 +50,6 @@ __all__ = [
     "build_corpus",
     "read_records",
     "split_key",
-    "file_sha256",
-    "atomic_open",
-    "atomic_write_text",
 ]
 
 CORPUS_FORMAT_VERSION = 1
@@ -215,41 +211,6 @@ def extract_documents(stdlib: Path | None = None) -> list[Document]:
 
 
 # -- the cache -------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def atomic_open(path: Path) -> Iterator[TextIO]:
-    """A text handle to a temporary file next to ``path``, renamed onto ``path`` on success.
-
-    Readers see either no file or a complete one, also when several processes write the same
-    path at once (the last rename wins; every writer produces the same bytes here).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (see :func:`atomic_open`)."""
-    with atomic_open(path) as handle:
-        handle.write(text)
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def build_corpus(root: Path | None = None, *, force: bool = False) -> CorpusFiles:

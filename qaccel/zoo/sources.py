@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .corpus import atomic_open, atomic_write_text, build_corpus, data_root, read_records, split_key
+from ..checkpoint import atomic_open, atomic_write_text
+from .corpus import build_corpus, data_root, read_records, split_key
 
 __all__ = [
     "TOPIC_FAMILIES",

@@ -22,13 +22,12 @@ vocabulary, on every machine.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..checkpoint import install_dir, staging_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -146,12 +145,8 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def _publish(tmp: Path, final: Path) -> None:
     """Rename a finished folder into place; if another process won the race, keep theirs."""
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (final / "tokenizer.json").is_file():
-            raise
+    if not install_dir(tmp, final, replace=False) and not (final / "tokenizer.json").is_file():
+        raise FileExistsError(f"{final}: exists but holds no tokenizer.json; remove it so the tokenizer is trained again")
 
 
 def _trained(recipe: Recipe) -> PreTrainedTokenizerFast:
@@ -166,7 +161,7 @@ def _trained(recipe: Recipe) -> PreTrainedTokenizerFast:
         texts = train_texts(source, dataset.eval_fraction)
         trained = train_bpe(texts, spec.vocab_size) if spec.kind == "bpe" else train_wordpiece(texts, spec.vocab_size)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+        tmp = staging_dir(final, "train")
         trained.save_pretrained(tmp)
         _publish(tmp, final)
     # every process loads the one published copy, never its own in-memory result

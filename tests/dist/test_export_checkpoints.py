@@ -1,7 +1,7 @@
 """``qaccel export`` on real training checkpoints from 2 gloo ranks.
 
-Three runs, a few optimizer steps each, saved with ``accelerator.save_state`` plus
-``save_checkpoint_metadata``:
+Three runs, a few optimizer steps each, saved as training saves them: ``save_checkpoint`` (which
+calls ``accelerator.save_state``) with ``save_checkpoint_metadata`` and a manifest:
 
 - ``qsdp``: tiny GPT-2 under QSDP (FSDP2, ``SHARDED_STATE_DICT``: a torch DCP folder of two shards);
 - ``zoadam``: tiny GPT-2 under DDP with ``ZeroOneAdam`` (``model.safetensors`` from the main process,
@@ -73,15 +73,22 @@ def _reference(model_cls, config, state: dict, inputs) -> torch.Tensor:
 
 def _finish(accelerator, model, ckpt, run_state, model_cls, inputs, tokenizer=None):
     """Save the checkpoint like training does and return rank 0's oracle (state dict and logits)."""
-    from qaccel.hub import save_checkpoint_metadata
+    from qaccel.checkpoint import save_checkpoint, save_checkpoint_metadata
 
-    accelerator.save_state(ckpt)
-    full = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
-    # Every rank calls it: ranks other than 0 must return without writing.
-    save_checkpoint_metadata(ckpt, run_state=run_state, model_config=unwrapped.config, tokenizer=tokenizer,
-                             generation_config=getattr(unwrapped, "generation_config", None))  # fmt: skip
+
+    def write_extra(folder: Path) -> None:
+        save_checkpoint_metadata(folder, run_state=run_state, model_config=unwrapped.config, tokenizer=tokenizer,
+                                 generation_config=getattr(unwrapped, "generation_config", None))  # fmt: skip
+
+    assert save_checkpoint(accelerator, Path(ckpt).parent, STEPS, write_extra) == Path(ckpt)
+    written = {name: os.stat(Path(ckpt) / name).st_ino for name in ("qaccel_state.json", "hf_model")}
     accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        write_extra(Path(ckpt))  # ranks other than 0 must return without writing (an atomic write makes a new inode)
+    full = accelerator.get_state_dict(model)
+    accelerator.wait_for_everyone()
+    assert {name: os.stat(Path(ckpt) / name).st_ino for name in written} == written
     if not accelerator.is_main_process:
         return None
     state = {k: v.detach().clone() for k, v in full.items()}
@@ -100,7 +107,7 @@ def _qsdp_worker(rank, world, ckpt):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from qaccel import Accelerator, QSDPPlugin
-    from qaccel.hub import build_run_state
+    from qaccel.checkpoint import build_run_state
 
     plugin = QSDPPlugin(weight_bits=8, grad_bits=4, auto_wrap_policy="transformer_based_wrap",
                         transformer_cls_names_to_wrap=["GPT2Block"], state_dict_type="SHARDED_STATE_DICT")  # fmt: skip
@@ -127,7 +134,7 @@ def _ddp_worker(rank, world, gpt_ckpt, bert_ckpt):
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
     from qaccel import Accelerator
-    from qaccel.hub import build_run_state
+    from qaccel.checkpoint import build_run_state
     from qaccel.optim import OneBitAdam, ZeroOneAdam
 
     results = {}
@@ -348,11 +355,23 @@ def _copy(ckpt: Path, dest: Path) -> Path:
     return dest
 
 
+def _relist(ckpt: Path) -> None:
+    """Rewrite the manifest after damage done on purpose.
+
+    The manifest check would name the damaged file first (tests/unit/test_hub_export.py); rewriting it
+    reaches the checks behind it, which also hold when the writer itself manifested a bad file.
+    """
+    from qaccel.checkpoint import write_manifest
+
+    write_manifest(ckpt)
+
+
 def test_checkpoint_without_run_state_is_refused(trained, tmp_path):
     from qaccel.hub import export_checkpoint
 
     ckpt = _copy(trained["zoadam"]["ckpt"], tmp_path / "checkpoint-4")
     (ckpt / "qaccel_state.json").unlink()
+    _relist(ckpt)
     out = tmp_path / "out"
     with pytest.raises(FileNotFoundError, match=r"qaccel_state\.json: not found; .* is not a qaccel training checkpoint"):
         export_checkpoint(ckpt, out)
@@ -368,6 +387,7 @@ def test_truncated_weights_are_named(name, victim, trained, tmp_path):
     size = path.stat().st_size
     with open(path, "r+b") as fh:
         fh.truncate(size - 100)
+    _relist(ckpt)
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=rf"{path.name}: truncated: {size - 100} bytes"):
         export_checkpoint(ckpt, out)
@@ -380,6 +400,7 @@ def test_weights_that_do_not_match_the_config_leave_nothing(trained, tmp_path):
     ckpt = _copy(trained["qsdp"]["ckpt"], tmp_path / "checkpoint-4")
     config = json.loads((ckpt / "hf_model" / "config.json").read_text())
     (ckpt / "hf_model" / "config.json").write_text(json.dumps({**config, "n_layer": 3}))
+    _relist(ckpt)
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=r"do not match GPT2LMHeadModel .* missing \['transformer\.h\.2\."):
         export_checkpoint(ckpt, out)  # fails after the staging folder exists
@@ -409,7 +430,7 @@ def test_cli_export(trained, tmp_path, capsys):
     from qaccel.cli import main
 
     ckpt = trained["zoadam"]["ckpt"]
-    assert main(["export", str(ckpt), str(tmp_path / "out"), "--model-name", "org/tiny-gpt2"]) == 0
+    assert main(["export", str(ckpt), str(tmp_path / "out"), "--model_name", "org/tiny-gpt2"]) == 0
     report = json.loads(capsys.readouterr().out)["export"]
     assert report["files"] == ["README.md", "config.json", "generation_config.json", "model.safetensors", "qaccel_config.json"]
     assert 'from_pretrained("org/tiny-gpt2")' in (tmp_path / "out" / "README.md").read_text()

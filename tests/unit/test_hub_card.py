@@ -8,7 +8,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 import qaccel.zoo
-from qaccel.hub import build_run_state
+from qaccel.checkpoint import build_run_state
 from qaccel.hub.card import build_model_card
 
 

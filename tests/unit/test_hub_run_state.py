@@ -1,4 +1,4 @@
-"""``qaccel_state.json``: building, writing atomically, reading back, and the resume check."""
+"""``qaccel_state.json`` (qaccel.checkpoint): building, writing atomically, reading back; and the resume check (qaccel.training)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import transformers
 from transformers import GenerationConfig, GPT2Config
 
 import qaccel
-from qaccel.fsdp import QSDPConfig
-from qaccel.hub import (
+from qaccel.checkpoint import (
     MODEL_FILES_DIR,
     RUN_STATE_FILE,
     build_run_state,
-    check_resume,
     read_run_state,
     save_checkpoint_metadata,
 )
+from qaccel.fsdp import QSDPConfig
 from qaccel.optim import ZeroOneAdamConfig
+from qaccel.training import check_resume
 
 
 def _state(**overrides):
@@ -158,3 +158,19 @@ def test_resume_may_change_speed_only_settings_such_as_prefetch():
     old = dict(saved)
     old["method_config"] = {k: v for k, v in saved["method_config"].items() if k != "prefetch"}  # a checkpoint from before the field
     assert check_resume(old, _state()) == []
+
+
+def test_names_that_moved_out_of_qaccel_hub_still_import_and_warn_once():
+    import warnings
+
+    import qaccel.hub
+    import qaccel.training
+
+    with pytest.warns(DeprecationWarning, match=r"qaccel\.hub\.check_resume moved to qaccel\.training\.check_resume"):
+        assert qaccel.hub.check_resume is qaccel.training.check_resume
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second use does not warn again
+        from qaccel.hub import check_resume as again
+    assert again is check_resume
+    with pytest.raises(AttributeError, match="module 'qaccel.hub' has no attribute 'nope'"):
+        qaccel.hub.nope  # noqa: B018

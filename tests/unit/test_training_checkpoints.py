@@ -1,4 +1,4 @@
-"""Atomic, verified training checkpoints (qaccel.training.checkpoints), with a fake Accelerator.
+"""Atomic, verified training checkpoints (qaccel.checkpoint), with a fake Accelerator.
 
 The fake stands in for the process-group side only (single process); what is tested is the
 file protocol: a checkpoint appears only complete, a crash leaves the previous one as latest,
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qaccel.training import (
+from qaccel.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -104,7 +104,7 @@ def _dcp_checkpoint(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from qaccel.training.checkpoints import write_manifest
+    from qaccel.checkpoint import write_manifest
 
     root = tmp_path / "checkpoint-1"
     dcp.save({"w": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=str(root / "pytorch_model_fsdp_0"))
@@ -121,7 +121,7 @@ def test_dcp_metadata_that_would_run_code_is_refused_before_torch_reads_it(tmp_p
     import os
     import pickle
 
-    from qaccel.training.checkpoints import write_manifest
+    from qaccel.checkpoint import write_manifest
 
     root = _dcp_checkpoint(tmp_path)
 

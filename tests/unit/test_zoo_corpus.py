@@ -12,8 +12,9 @@ from collections import Counter
 
 import pytest
 
+from qaccel.checkpoint import atomic_open
 from qaccel.zoo import _pysource
-from qaccel.zoo.corpus import _python_files, atomic_open, build_corpus, corpus_dir, read_records, split_key
+from qaccel.zoo.corpus import _python_files, build_corpus, corpus_dir, read_records, split_key
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,9 @@
-"""``qaccel_state.json``: how a training checkpoint was made, written next to Accelerate's files.
-
-A checkpoint folder (``checkpoint-STEP/``) holds what ``accelerator.save_state`` writes plus two
-things qaccel adds on the main process:
+"""``qaccel_state.json`` and ``hf_model/``: how a checkpoint was trained, written next to Accelerate's files.
 
 - ``qaccel_state.json`` (:data:`RUN_STATE_FILE`): the method, its full config, recipe, task,
   optimizer step, world size, bytes on the wire and versions. Resuming compares it with the new
-  run (:func:`check_resume`); ``qaccel export`` copies it into the exported model's metadata.
+  run (``qaccel.training.check_resume``); ``qaccel export`` copies it into the exported model's
+  metadata.
 - ``hf_model/`` (:data:`MODEL_FILES_DIR`): ``config.json``, ``generation_config.json`` and the
   tokenizer files, so the checkpoint alone is enough to rebuild a Hugging Face model folder.
 
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import os
 import platform
 import shutil
@@ -24,30 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..fsdp.config import SPEED_ONLY_FIELDS
-from ._fs import fsync_dir, fsync_tree, staging_dir, write_text_atomic
+from ._atomic import atomic_write_json, install_dir, staging_dir
+from ._layout import MODEL_FILES_DIR, RUN_STATE_FILE
+from ._vetted import read_json
 
-__all__ = [
-    "RUN_STATE_FILE",
-    "MODEL_FILES_DIR",
-    "SCHEMA_VERSION",
-    "METHODS",
-    "TASKS",
-    "build_run_state",
-    "save_checkpoint_metadata",
-    "read_run_state",
-    "check_resume",
-]
-
-logger = logging.getLogger(__name__)
-
-RUN_STATE_FILE = "qaccel_state.json"
-MODEL_FILES_DIR = "hf_model"
 SCHEMA_VERSION = 1
 
-#: method name -> Hub tag (``None``: no method-specific tag)
+#: the ``method`` values of the schema -> Hub tag of an export (``None``: no method-specific tag)
 METHODS: dict[str, str | None] = {"qsdp": "qsdp", "zero_one_adam": "0-1-adam", "onebit_adam": "1-bit-adam", "none": None}
-#: task -> (transformers auto class, Hub pipeline tag)
+#: the ``task`` values of the schema -> (transformers auto class an export builds, Hub pipeline tag)
 TASKS: dict[str, tuple[str, str]] = {
     "causal-lm": ("AutoModelForCausalLM", "text-generation"),
     "masked-lm": ("AutoModelForMaskedLM", "fill-mask"),
@@ -169,10 +151,11 @@ def _is_main_process() -> bool:
 def save_checkpoint_metadata(checkpoint_dir: str | os.PathLike, *, run_state: dict, model_config: Any, tokenizer: Any = None, generation_config: Any = None) -> None:
     """Write ``qaccel_state.json`` and ``hf_model/`` into a checkpoint folder.
 
-    Call it after ``accelerator.save_state(checkpoint_dir)``. Only the main process (global rank 0,
-    or a run without a process group) writes; other ranks return at once, so calling it on every
-    rank is harmless. Both are written atomically: the JSON through a flushed temporary file and a
-    rename, ``hf_model/`` as a staged folder renamed into place.
+    Usually the ``write_extra`` of :func:`qaccel.checkpoint.save_checkpoint`, which then lists them
+    in the manifest. Only the main process (global rank 0, or a run without a process group)
+    writes; other ranks return at once, so calling it on every rank is harmless. Both are written
+    atomically: the JSON through a flushed temporary file and a rename, ``hf_model/`` as a staged
+    folder renamed into place.
 
     Args:
         run_state: from :func:`build_run_state`.
@@ -186,7 +169,7 @@ def save_checkpoint_metadata(checkpoint_dir: str | os.PathLike, *, run_state: di
     """
     if not _is_main_process():
         return
-    _check_required(run_state, "run_state")
+    check_run_state(run_state, "run_state")
     if not hasattr(model_config, "save_pretrained"):
         raise TypeError(f"save_checkpoint_metadata: model_config must be a transformers PretrainedConfig, got {type(model_config).__name__}")
     root = Path(checkpoint_dir)
@@ -198,19 +181,19 @@ def save_checkpoint_metadata(checkpoint_dir: str | os.PathLike, *, run_state: di
             generation_config.save_pretrained(staged)
         if tokenizer is not None:
             tokenizer.save_pretrained(staged)
-        fsync_tree(staged)
-        target = root / MODEL_FILES_DIR
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staged, target)
-        fsync_dir(root)
+        install_dir(staged, root / MODEL_FILES_DIR)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    write_text_atomic(root / RUN_STATE_FILE, json.dumps(run_state, indent=2, sort_keys=True) + "\n")
+    atomic_write_json(root / RUN_STATE_FILE, run_state)
 
 
-def _check_required(state: Any, where: str) -> None:
+def check_run_state(state: Any, where: str) -> None:
+    """Check that ``state`` is a run-state object with every required key.
+
+    Raises:
+        ValueError: not a dict, or missing keys (named), attributed to ``where``.
+    """
     if not isinstance(state, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(state).__name__}")
     missing = [key for key in _REQUIRED if key not in state]
@@ -218,13 +201,11 @@ def _check_required(state: Any, where: str) -> None:
         raise ValueError(f"{where}: missing keys {missing} (a qaccel run state needs {list(_REQUIRED)})")
 
 
-def read_run_state(checkpoint_dir: str | os.PathLike) -> dict:
-    """Read and check ``qaccel_state.json`` of a checkpoint folder.
+def run_state_path(checkpoint_dir: str | os.PathLike) -> Path:
+    """``checkpoint_dir/qaccel_state.json``, which must exist.
 
     Raises:
-        FileNotFoundError: the folder or its ``qaccel_state.json`` does not exist (naming the path).
-        ValueError: the file is not valid JSON, lacks required keys, names an unknown method or
-            task, or has a newer schema than this qaccel understands.
+        FileNotFoundError: the folder or the file does not exist (naming the path).
     """
     root = Path(checkpoint_dir)
     if not root.is_dir():
@@ -235,11 +216,20 @@ def read_run_state(checkpoint_dir: str | os.PathLike) -> dict:
             f"{path}: not found; {root} is not a qaccel training checkpoint (training writes {RUN_STATE_FILE} "
             "with save_checkpoint_metadata after accelerator.save_state)"
         )
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); the file is truncated or corrupted") from None
-    _check_required(state, str(path))
+    return path
+
+
+def read_run_state(checkpoint_dir: str | os.PathLike) -> dict:
+    """Read and check ``qaccel_state.json`` of a checkpoint folder.
+
+    Raises:
+        FileNotFoundError: the folder or its ``qaccel_state.json`` does not exist (naming the path).
+        ValueError: the file is not valid JSON, lacks required keys, names an unknown method or
+            task, or has a newer schema than this qaccel understands.
+    """
+    path = run_state_path(checkpoint_dir)
+    state = read_json(path)
+    check_run_state(state, str(path))
     if not _is_int(state["schema_version"]) or state["schema_version"] > SCHEMA_VERSION:
         raise ValueError(
             f"{path}: schema_version={state['schema_version']!r}; this qaccel ({__version__}) reads up to {SCHEMA_VERSION}"
@@ -249,72 +239,3 @@ def read_run_state(checkpoint_dir: str | os.PathLike) -> dict:
     if state["task"] not in TASKS:
         raise ValueError(f"{path}: task={state['task']!r}: must be one of {sorted(TASKS)}")
     return state
-
-
-def _config_differences(saved: dict, current: dict) -> list[str]:
-    saved, current = _json_roundtrip(saved, "method_config"), _json_roundtrip(current, "method_config")
-    missing = object()
-    lines = []
-    for key in sorted(set(saved) | set(current)):
-        if key in SPEED_ONLY_FIELDS:  # e.g. QSDP prefetch: changes the speed of a step, not its results
-            continue
-        before, after = saved.get(key, missing), current.get(key, missing)
-        if before != after:
-            show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731
-            lines.append(f"{key}: checkpoint {show(before)}, this run {show(after)}")
-    return lines
-
-
-def _world_size_warning(method: str, before: int, after: int) -> str:
-    change = f"world size {before} -> {after}"
-    if method == "qsdp":
-        return (
-            f"{change}: QSDP keeps no per-rank state, so the sharded weights and optimizer state are re-sharded on load "
-            "and the seed step counter continues; what changes is the shard each rank owns (so the quantization "
-            f"buckets and their rounding noise differ from a run at world size {before}) and, at the same per-device "
-            "batch size, the global batch"
-        )
-    if method in ("zero_one_adam", "onebit_adam"):
-        return (
-            f"{change}: the 1-bit optimizer's per-rank error-feedback buffers (worker/server errors, and u for 0/1 Adam) "
-            "cannot be redistributed; on load they are reset to zero and weights and momentum are averaged in full "
-            "precision, so the first steps after the resume compress without error feedback; at the same per-device "
-            "batch size the global batch changes too"
-        )
-    return f"{change}: at the same per-device batch size the global batch changes"
-
-
-def check_resume(saved: dict, current: dict) -> list[str]:
-    """Compare a checkpoint's run state with the run about to resume from it.
-
-    Args:
-        saved: :func:`read_run_state` of the checkpoint.
-        current: :func:`build_run_state` of the new run.
-
-    Returns:
-        Warnings (possibly none) for differences that are safe but change something: the world size
-        (what changes depends on the method) and the qaccel version.
-
-    Raises:
-        ValueError: the method, any key of the method config, the task, the recipe, or the base
-            model differ; the message names the key and both values.
-    """
-    _check_required(saved, "check_resume saved state")
-    _check_required(current, "check_resume current state")
-    if saved["method"] != current["method"]:
-        raise ValueError(
-            f"resume: the checkpoint was trained with method {saved['method']!r}, this run uses {current['method']!r}; "
-            "resume with the same method or start a new run"
-        )
-    differences = _config_differences(saved["method_config"], current["method_config"])
-    if differences:
-        raise ValueError(f"resume: the {saved['method']} config differs from the checkpoint's: " + "; ".join(differences))
-    for key in ("task", "recipe", "base_model"):
-        if saved.get(key) != current.get(key):
-            raise ValueError(f"resume: {key} differs: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}")
-    warnings = []
-    if saved["world_size"] != current["world_size"]:
-        warnings.append(_world_size_warning(saved["method"], saved["world_size"], current["world_size"]))
-    if saved["qaccel_version"] != current["qaccel_version"]:
-        warnings.append(f"the checkpoint was written by qaccel {saved['qaccel_version']}, this is qaccel {current['qaccel_version']}")
-    return warnings

@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from .._torch_internals import storage_use_count
+
 __all__ = ["BufferPool"]
 
 # sys.getrefcount(entry[0]) when only the pool's entry list refers to the tensor object: the list
@@ -24,13 +26,9 @@ __all__ = ["BufferPool"]
 _IDLE_PY_REFS = 2
 
 
-def _storage_users(tensor: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-
-
 def _idle(entry: list) -> bool:
     """No Python reference to the pooled tensor object and no other tensor (view) on its storage."""
-    return sys.getrefcount(entry[0]) == _IDLE_PY_REFS and _storage_users(entry[0]) == entry[1]
+    return sys.getrefcount(entry[0]) == _IDLE_PY_REFS and storage_use_count(entry[0]) == entry[1]
 
 
 class BufferPool:
@@ -62,7 +60,7 @@ class BufferPool:
         tensor = torch.empty(numel, dtype=dtype, device=device)
         if len(entries) < self.max_per_key:
             # Storage users with only the pool holding it, measured the way _idle measures it.
-            entries.append([tensor, _storage_users(tensor)])
+            entries.append([tensor, storage_use_count(tensor)])
         return tensor
 
     def nbytes(self) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .._torch_internals import fsdp2_comm_bases
 from ..comm import (
     BufferPool,
     PayloadLayout,
@@ -29,11 +30,13 @@ from ..comm import (
     quantized_reduce_scatter,
 )
 from ._seeds import SeedSchedule
-from ._units import AllGather, ReduceScatter
 
 __all__ = ["UnitPlan", "QuantizedAllGather", "QuantizedReduceScatter", "KIND_QSDP_AG", "KIND_QSDP_RS", "KIND_FSDP_AG", "KIND_FSDP_RS"]
 
 logger = logging.getLogger(__name__)
+
+# FSDP2's private comm base classes (torch >= 2.9); a torch without them stops here with the checked versions.
+AllGather, ReduceScatter = fsdp2_comm_bases()
 
 KIND_QSDP_AG = "qsdp.all_gather"
 KIND_QSDP_RS = "qsdp.reduce_scatter"

@@ -23,6 +23,8 @@ import logging
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from .. import _torch_internals as torch_internals
+
 __all__ = ["apply_prefetch", "clear_prefetch"]
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ def _unit_modules(model: nn.Module) -> list[FSDPModule]:
     units: list[FSDPModule] = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
+            state = torch_internals.fsdp_state(module)
             if id(state) not in seen:
                 seen.add(id(state))
                 units.append(module)
@@ -42,10 +44,10 @@ def _unit_modules(model: nn.Module) -> list[FSDPModule]:
 
 
 def _set_async_unshard(unit: FSDPModule, enabled: bool) -> None:
-    # FSDPModule._set_unshard_async_op recurses into submodules, which would also touch units the
-    # caller did not list; set the flag on this unit's own param groups only.
-    for group in unit._get_fsdp_state()._fsdp_param_groups:
-        group.unshard_async_op = enabled
+    # FSDP2's own setter recurses into submodules, which would also touch units the caller did not
+    # list; set the flag on this unit's own param groups only.
+    for group in torch_internals.param_groups(torch_internals.fsdp_state(unit)):
+        torch_internals.set_unshard_async_op(group, enabled)
 
 
 def apply_prefetch(model: nn.Module, *, depth: int = 1) -> int:
@@ -92,7 +94,5 @@ def apply_prefetch(model: nn.Module, *, depth: int = 1) -> int:
 def clear_prefetch(model: nn.Module) -> None:
     """Undo :func:`apply_prefetch`: FSDP2's default (implicit) prefetching and synchronous unshards."""
     for unit in _unit_modules(model):
-        state = unit._get_fsdp_state()
-        state._states_to_forward_prefetch = []
-        state._states_to_backward_prefetch = []
+        torch_internals.clear_prefetch_targets(torch_internals.fsdp_state(unit))
         _set_async_unshard(unit, False)

@@ -1,9 +1,9 @@
 """FSDP2 units of a model and the segment map of their flat communication buffers.
 
-This is the one module that reads FSDP2 internals (``docs/qsdp.md``, "Upstream hook points"): the
-comm base classes live in ``torch.distributed.fsdp._fully_shard._fsdp_api``, and a unit's module
-list, param groups, per-parameter all-gather dtypes and post-forward mesh in its private
-``FSDPState`` / ``FSDPParamGroup`` / ``FSDPParam``. Each access is feature-detected.
+A unit's module list, param groups, per-parameter all-gather dtypes and post-forward mesh live in
+FSDP2's private ``FSDPState`` / ``FSDPParamGroup`` / ``FSDPParam`` (``docs/qsdp.md``, "Upstream hook
+points"); they are read through :mod:`qaccel._torch_internals`, which names the torch versions it was
+checked against and fails with that message when an attribute is gone.
 
 Segment map (``docs/qsdp.md``, "Segment map"): FSDP2's all-gather input of a unit is its parameters' shards, in the
 order ``fully_shard`` collected them (post-order DFS from the unit's modules, not entering nested
@@ -22,17 +22,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # pragma: no cover - torch without custom comms (< 2.9)
-    AllGather = ReduceScatter = None  # type: ignore[assignment,misc]
+from .. import _torch_internals as torch_internals
 
-__all__ = ["AllGather", "ReduceScatter", "FSDPUnit", "find_units", "padded_shard_numel", "require_custom_comms"]
+__all__ = ["FSDPUnit", "find_units", "padded_shard_numel", "require_custom_comms"]
 
 
 def require_custom_comms() -> None:
     """Raise unless this torch lets FSDP2 units take custom all-gather / reduce-scatter comms."""
-    if AllGather is None or not hasattr(FSDPModule, "set_custom_all_gather"):
+    torch_internals.fsdp2_comm_bases()
+    if not hasattr(FSDPModule, "set_custom_all_gather"):
         raise RuntimeError(
             f"QSDP needs FSDP2 custom comms (FSDPModule.set_custom_all_gather, torch >= 2.9); "
             f"this is torch {torch.__version__}"
@@ -80,14 +78,6 @@ class FSDPUnit:
         return [padded_shard_numel(p.shape, self.world_size) for p in self.params]
 
 
-def _state_of(module: nn.Module):
-    return module._get_fsdp_state()
-
-
-def _roots_of(state, module: nn.Module) -> tuple[nn.Module, ...]:
-    return tuple(getattr(state, "_modules", (module,)))
-
-
 def _managed_params(roots: tuple[nn.Module, ...]) -> list[nn.Parameter]:
     """Mirror of FSDP2's ``_get_managed_modules`` + ``_get_managed_states`` (post-order DFS)."""
     root_set = set(roots)
@@ -130,18 +120,18 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        state = _state_of(module)
+        state = torch_internals.fsdp_state(module)
         if id(state) in by_state:
             unit = by_state[id(state)]
             unit.modules = (*unit.modules, module)
             continue
-        groups = list(getattr(state, "_fsdp_param_groups", []))
+        groups = torch_internals.param_groups(state)
         if len(groups) > 1:
             raise NotImplementedError(
                 f"QSDP: FSDP unit {name or '<root>'} has {len(groups)} param groups (per-parameter meshes "
                 "via shard_placement_fn); QSDP supports one group per unit"
             )
-        params = _managed_params(_roots_of(state, module))
+        params = _managed_params(torch_internals.state_modules(state))
         meshes = {p.device_mesh for p in params}
         for mesh in meshes:
             if mesh.ndim != 1:
@@ -150,8 +140,7 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
                     "HSDP / 2-D meshes are not supported (their replica all-reduce cannot be replaced), use a 1-D mesh"
                 )
         for group in groups:
-            for attr in ("_all_gather_comm", "_reduce_scatter_comm"):
-                comm = getattr(group, attr, None)
+            for attr, comm in torch_internals.installed_comms(group).items():
                 if comm is not None and not type(comm).__name__.startswith(("Default", "Quantized")):
                     raise ValueError(
                         f"QSDP: FSDP unit {name or '<root>'} already has a custom comm {type(comm).__name__} "
@@ -183,9 +172,9 @@ def _all_gather_dtypes(groups: list) -> tuple[torch.dtype, ...]:
     """
     dtypes = []
     for group in groups:
-        policy_dtype = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
-        for fsdp_param in getattr(group, "fsdp_params", []):
-            own = fsdp_param.sharded_param.dtype
+        policy_dtype = torch_internals.group_param_dtype(group)
+        for fsdp_param in torch_internals.group_params(group):
+            own = torch_internals.sharded_param(fsdp_param).dtype
             dtypes.append(policy_dtype if policy_dtype is not None and own.is_floating_point else own)
     return tuple(dtypes)
 
@@ -193,17 +182,17 @@ def _all_gather_dtypes(groups: list) -> tuple[torch.dtype, ...]:
 def _reshard_after_forward_size(groups: list) -> int | None:
     """``reshard_after_forward=<int>`` gives a post-forward mesh other than the unit's own mesh."""
     for group in groups:
-        post_forward = getattr(group, "post_forward_mesh_info", None)
-        if post_forward is not None and post_forward is not group.mesh_info:
-            return int(post_forward.shard_mesh_size)
+        size = torch_internals.group_post_forward_mesh_size(group)
+        if size is not None:
+            return size
     return None
 
 
 def _custom_extension_params(groups: list, names: dict[int, str]) -> tuple[str, ...]:
     found = []
     for group in groups:
-        for fsdp_param in getattr(group, "fsdp_params", []):
-            local = getattr(fsdp_param, "_sharded_local_tensor", None)
-            if local is not None and hasattr(local, "fsdp_pre_all_gather"):
-                found.append(names.get(id(getattr(fsdp_param, "sharded_param", None)), type(local).__name__))
+        for fsdp_param in torch_internals.group_params(group):
+            local = torch_internals.sharded_local_tensor(fsdp_param)
+            if hasattr(local, "fsdp_pre_all_gather"):
+                found.append(names.get(id(torch_internals.sharded_param(fsdp_param)), type(local).__name__))
     return tuple(found)

@@ -1,6 +1,7 @@
 """What ``qaccel.Trainer`` settles before transformers builds its Accelerator.
 
-Upstream behaviour this relies on (transformers 5.24, ``trainer.py`` / ``training_args.py``):
+Upstream behaviour this relies on (transformers 5.24, ``trainer.py`` / ``training_args.py``; the
+private names are reached through :mod:`qaccel.integration._transformers_internals`):
 
 1. ``TrainingArguments.__post_init__`` already sets up the process group and Accelerate's
    ``PartialState``. Under ``torchrun`` on a machine without a GPU and without ``use_cpu=True`` it
@@ -9,34 +10,29 @@ Upstream behaviour this relies on (transformers 5.24, ``trainer.py`` / ``trainin
    (what the user would have had to pass), which gives ``MULTI_CPU`` over gloo.
 2. ``Trainer.create_accelerator_and_postprocess`` builds ``accelerate.Accelerator(**args)`` through
    the name ``Accelerator`` imported at the top of ``transformers.trainer``; no argument or method
-   chooses the class. :func:`accelerator_class` puts ``qaccel.Accelerator`` under that name while the
-   parent method runs (under a lock, restored afterwards), so everything else the parent does
+   chooses the class. ``trainer_accelerator_class`` puts ``qaccel.Accelerator`` under that name while
+   the parent method runs (under a lock, restored afterwards), so everything else the parent does
    (gradient accumulation plugin, dataloader config, FSDP/DeepSpeed flags and checks) stays its own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import transformers.trainer as hf_trainer
 from accelerate.utils import DistributedType
 
 from ..fsdp import QSDPConfig
 from ..optim import OneBitOptimizerBase
 from ._qsdp import QSDPPlugin
+from ._transformers_internals import redo_device_setup
 
-__all__ = ["ensure_cpu_distributed", "check_combination", "qsdp_plugin_for", "accelerator_class", "onebit_clipping"]
+__all__ = ["ensure_cpu_distributed", "check_combination", "qsdp_plugin_for", "onebit_clipping"]
 
 logger = logging.getLogger(__name__)
-
-_SWAP_LOCK = threading.Lock()
 
 # What TrainingArguments(fsdp=True) gives FSDP (transformer-block wrapping of the model's
 # ``_no_split_modules``, a full state dict so ``save_model`` writes a normal model folder), each
@@ -64,10 +60,7 @@ def ensure_cpu_distributed(args: Any) -> bool:
         return False
     args.use_cpu = True
     args.dataloader_pin_memory = False  # as TrainingArguments.__post_init__ does for use_cpu
-    # ``_setup_devices`` is a cached_property: drop the cached device so it runs again, now with
-    # ``cpu=True``; it resets Accelerate's state and reuses the existing process group.
-    args.__dict__.pop("_setup_devices", None)
-    device = args.device
+    device = redo_device_setup(args)  # now with ``cpu=True``
     if args.distributed_state.distributed_type != DistributedType.MULTI_CPU:
         raise RuntimeError(
             f"qaccel.Trainer: WORLD_SIZE={_world_size_from_env()} without a GPU, but Accelerate set up "
@@ -150,19 +143,3 @@ def qsdp_plugin_for(args: Any, qsdp: QSDPConfig) -> QSDPPlugin:
         fsdp_kwargs = {key: default for key, (env, default) in _FSDP_DEFAULTS.items() if env not in os.environ}
     return QSDPPlugin(qsdp_config=qsdp, **fsdp_kwargs)
 
-
-@contextlib.contextmanager
-def accelerator_class(factory: Callable[..., Any]) -> Iterator[None]:
-    """While active, ``transformers.trainer.Accelerator(**kwargs)`` calls ``factory(**kwargs)``."""
-    if not hasattr(hf_trainer, "Accelerator"):
-        raise RuntimeError(
-            "qaccel.Trainer: transformers.trainer no longer imports Accelerator by name; this transformers "
-            "version changed how the Trainer builds its Accelerator"
-        )
-    with _SWAP_LOCK:
-        original = hf_trainer.Accelerator
-        hf_trainer.Accelerator = factory
-        try:
-            yield
-        finally:
-            hf_trainer.Accelerator = original

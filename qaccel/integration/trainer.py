@@ -4,7 +4,9 @@ The Trainer builds a :class:`qaccel.Accelerator` instead of ``accelerate.Acceler
 (:mod:`qaccel.integration._trainer_setup` says how), so the QSDP comms and the 1-bit DDP hook are
 installed inside the Trainer's own ``accelerator.prepare`` call, exactly as for a hand-written loop.
 On top of the parent it adds wire bytes to every log entry, qaccel's state to every checkpoint, and
-the clipping rule of 1-bit optimizers.
+the clipping rule of 1-bit optimizers. Where that needs the Trainer's private methods, the
+``_qaccel_*`` hooks of :class:`~qaccel.integration._transformers_internals.TrainerHooks` are used:
+that module holds every private transformers name and the versions it was checked against.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..fsdp import QSDPConfig
 from ..optim import OneBitOptimizerBase
 from . import _trainer_checkpoint, _trainer_setup
 from ._trainer_logging import WireLog, WireStepCallback
+from ._transformers_internals import TrainerHooks, check_trainer_internals, trainer_accelerator_class
 from .accelerator import Accelerator
 
 __all__ = ["Trainer"]
@@ -27,7 +30,7 @@ __all__ = ["Trainer"]
 _PARENT_SIGNATURE = inspect.signature(transformers.Trainer.__init__)
 
 
-class Trainer(transformers.Trainer):
+class Trainer(TrainerHooks):
     """``transformers.Trainer`` with quantized FSDP2 (QSDP) or 0/1 Adam / 1-bit Adam on DDP.
 
     Args:
@@ -64,6 +67,7 @@ class Trainer(transformers.Trainer):
     def __init__(
         self, *args: Any, qsdp: QSDPConfig | None = None, wire_meter: WireMeter | None = None, **kwargs: Any
     ) -> None:
+        check_trainer_internals()  # first: a transformers release without them fails here, with its version
         arguments = _PARENT_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
         arguments.pop("self")
         if arguments.get("args") is None:  # the parent's default, built here so it can be checked first
@@ -87,17 +91,17 @@ class Trainer(transformers.Trainer):
         def build(**kwargs: Any) -> Accelerator:
             return Accelerator(wire_meter=self._qaccel_meter, **kwargs)
 
-        with _trainer_setup.accelerator_class(build):
+        with trainer_accelerator_class(build):
             super().create_accelerator_and_postprocess()
         if not isinstance(self.accelerator, Accelerator):
             raise RuntimeError(
                 "qaccel.Trainer: the parent built its Accelerator elsewhere; this transformers version is not supported"
             )
 
-    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+    def _qaccel_accelerator_args(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self._qaccel_qsdp is not None:
             kwargs["fsdp_plugin"] = _trainer_setup.qsdp_plugin_for(self.args, self._qaccel_qsdp)
-        return super()._build_accelerator_args(**kwargs)
+        return kwargs
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
@@ -111,15 +115,10 @@ class Trainer(transformers.Trainer):
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside an AcceleratedOptimizer
         return optimizer if isinstance(optimizer, OneBitOptimizerBase) else None
 
-    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
-        if self._onebit_optimizer() is not None:
-            return None  # the optimizer clips in step(), with a norm that is the same on every rank
-        return super()._clip_grad_norm(model)
-
-    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
-        if self._onebit_optimizer() is not None:
-            return None  # a local norm would be rank-dependent; log() reports the optimizer's own
-        return super()._get_grad_norm(model, grad_norm=grad_norm)
+    def _qaccel_optimizer_clips(self) -> bool:
+        # A 1-bit optimizer clips in step(), with a norm that is the same on every rank; the Trainer's
+        # local norm would be rank-dependent, so log() reports the optimizer's own.
+        return self._onebit_optimizer() is not None
 
     # --------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -131,13 +130,13 @@ class Trainer(transformers.Trainer):
         super().log(logs, start_time)
 
     # ----------------------------------------------------------------------------- checkpoints
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
+    def _qaccel_saved_optimizer(self, output_dir: str) -> None:
         _trainer_checkpoint.save_qaccel_state(self.accelerator, output_dir)
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def _qaccel_loading_optimizer(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
             _trainer_checkpoint.stage_onebit_state(self.accelerator, checkpoint)
-        super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _qaccel_loaded_optimizer(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
             _trainer_checkpoint.load_qsdp_state(self.accelerator, checkpoint)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._torch_internals import foreach_mul_, foreach_norm
 from ..comm import WireMeter, compressed_allreduce, default_meter, onebit_layout, ring_all_reduce_bytes
 from ._resume import ResumeMixin
 from ._schedule import CommPlan, OneBitAdamSchedule, StepKind, ZeroOneAdamSchedule
@@ -175,7 +176,7 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         if not live:
             self._last_grad_norm = 0.0
             return grads
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(live)))
+        norm = torch.linalg.vector_norm(torch.stack(foreach_norm(live)))
         if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM) and world_size > 1:
             squared = (norm * norm).reshape(1)
             dist.all_reduce(squared, group=self._process_group)
@@ -186,7 +187,7 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
             )
             norm = torch.sqrt(squared[0] / world_size)
         self._last_grad_norm = norm
-        torch._foreach_mul_(live, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        foreach_mul_(live, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return grads
 
     @property

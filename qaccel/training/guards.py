@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._torch_internals import foreach_norm
+
 __all__ = [
     "ENV_CHECK_REPLICAS",
     "NonFiniteError",
@@ -103,7 +105,7 @@ def _first_nonfinite(tensors: list[torch.Tensor]) -> int:
     if not live:
         return -1
     # The max-abs norm is inf or NaN iff some element is; unlike the 2-norm it cannot overflow.
-    norms = torch.stack([n.float() for n in torch._foreach_norm([t for _, t in live], float("inf"))])
+    norms = torch.stack([n.float() for n in foreach_norm([t for _, t in live], float("inf"))])
     bad = (~torch.isfinite(norms)).nonzero()
     return live[int(bad[0])][0] if bad.numel() else -1
 

@@ -1,0 +1,189 @@
+"""The one module that reads torch's private surface (style guide §9).
+
+Checked against torch 2.13.0 (:data:`TORCH`). Every private torch name qaccel uses is read here,
+through small named accessors; a name that a torch release dropped raises a ``RuntimeError`` naming
+it, the installed torch and the checked versions (never a silent ``getattr`` default). What is read,
+and why no public API does it:
+
+- FSDP2 (``torch/distributed/fsdp/_fully_shard``, ``docs/qsdp.md``, "Upstream hook points"): the
+  custom-comm base classes ``AllGather`` / ``ReduceScatter`` of ``_fsdp_api`` (torch >= 2.9; not
+  re-exported by ``torch.distributed.fsdp``); a unit's ``FSDPState`` (``FSDPModule._get_fsdp_state``)
+  with its ``_modules``, ``_fsdp_param_groups`` and ``_states_to_{forward,backward}_prefetch``; each
+  ``FSDPParamGroup``'s ``fsdp_params``, ``mp_policy``, ``mesh_info`` / ``post_forward_mesh_info``,
+  ``unshard_async_op`` and installed ``_all_gather_comm`` / ``_reduce_scatter_comm``; each
+  ``FSDPParam``'s ``sharded_param`` and ``_sharded_local_tensor``.
+- ``torch._C._storage_Use_Count``: how many tensors share a storage (the comm buffer pool's
+  "nobody holds this buffer any more" test).
+- ``torch._foreach_norm`` / ``torch._foreach_mul_``: the fused per-list ops
+  ``torch.nn.utils.clip_grad_norm_`` itself uses (gradient clipping and the non-finite guard).
+- ``filesystem._StorageInfo`` and ``metadata._MEM_FORMAT_ENCODING`` of
+  ``torch.distributed.checkpoint``, and ``torch.serialization._get_layout``: private globals that
+  torch's DCP ``.metadata`` pickles refer to, which the vetted checkpoint loader must allow
+  (:func:`dcp_metadata_private_globals`).
+
+This module sits below every layer (it imports only torch), so ``comm/``, ``fsdp/``, ``optim/``,
+``training/`` and ``checkpoint/`` all use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._upstream import PrivateSurface
+
+__all__ = [
+    "TORCH",
+    "fsdp2_comm_bases",
+    "fsdp_state",
+    "state_modules",
+    "param_groups",
+    "installed_comms",
+    "group_params",
+    "group_param_dtype",
+    "group_post_forward_mesh_size",
+    "set_unshard_async_op",
+    "clear_prefetch_targets",
+    "sharded_param",
+    "sharded_local_tensor",
+    "storage_use_count",
+    "foreach_norm",
+    "foreach_mul_",
+    "dcp_metadata_private_globals",
+]
+
+TORCH = PrivateSurface("torch", ("2.13.0",), __name__)
+
+_FSDP_API = "torch.distributed.fsdp._fully_shard._fsdp_api"
+_CUSTOM_COMMS = "FSDP2 custom all-gather / reduce-scatter comms, torch >= 2.9"
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+def fsdp2_comm_bases() -> tuple[type, type]:
+    """FSDP2's ``(AllGather, ReduceScatter)`` base classes, which QSDP's comms subclass.
+
+    Raises:
+        RuntimeError: this torch has no ``_fsdp_api`` module or lacks one of the classes.
+    """
+    try:
+        api = importlib.import_module(_FSDP_API)
+    except ImportError:
+        raise TORCH.missing(f"the module {_FSDP_API}", _CUSTOM_COMMS) from None
+    return TORCH.get(api, "AllGather", _CUSTOM_COMMS), TORCH.get(api, "ReduceScatter", _CUSTOM_COMMS)
+
+
+def fsdp_state(module: nn.Module) -> Any:
+    """The ``FSDPState`` of an FSDP2 module; the modules of one ``fully_shard`` call share it."""
+    getter = TORCH.get(module, "_get_fsdp_state", "the FSDP2 state of a unit", owner="FSDPModule")
+    return getter()
+
+
+def state_modules(state: Any) -> tuple[nn.Module, ...]:
+    """The modules passed to the ``fully_shard`` call that made ``state`` (several for list-form calls)."""
+    return tuple(TORCH.get(state, "_modules", "the modules of an FSDP2 unit", owner="FSDPState"))
+
+
+def param_groups(state: Any) -> list[Any]:
+    """The ``FSDPParamGroup`` objects of a unit (one unless ``shard_placement_fn`` gave several meshes)."""
+    return list(TORCH.get(state, "_fsdp_param_groups", "the param groups of an FSDP2 unit", owner="FSDPState"))
+
+
+def installed_comms(group: Any) -> dict[str, Any]:
+    """The all-gather and reduce-scatter comm objects a param group uses, by their attribute names."""
+    purpose = "which comm an FSDP2 unit already carries"
+    return {
+        name: TORCH.get(group, name, purpose, owner="FSDPParamGroup")
+        for name in ("_all_gather_comm", "_reduce_scatter_comm")
+    }
+
+
+def group_params(group: Any) -> list[Any]:
+    """The ``FSDPParam`` objects of a param group, in all-gather buffer order."""
+    return list(TORCH.get(group, "fsdp_params", "the parameters of an FSDP2 param group", owner="FSDPParamGroup"))
+
+
+def group_param_dtype(group: Any) -> torch.dtype | None:
+    """The mixed-precision policy's ``param_dtype`` of a param group (None: parameters keep their dtype)."""
+    purpose = "the dtype FSDP2 all-gathers a unit in"
+    policy = TORCH.get(group, "mp_policy", purpose, owner="FSDPParamGroup")
+    return TORCH.get(policy, "param_dtype", purpose, owner="MixedPrecisionPolicy")
+
+
+def group_post_forward_mesh_size(group: Any) -> int | None:
+    """The group size of ``reshard_after_forward=<int>``, or None when the post-forward shards are the regular ones."""
+    purpose = "whether a unit reshards after forward to a smaller mesh"
+    post_forward = TORCH.get(group, "post_forward_mesh_info", purpose, owner="FSDPParamGroup")
+    if post_forward is None or post_forward is TORCH.get(group, "mesh_info", purpose, owner="FSDPParamGroup"):
+        return None
+    return int(TORCH.get(post_forward, "shard_mesh_size", purpose, owner="FSDPMeshInfo"))
+
+
+def set_unshard_async_op(group: Any, enabled: bool) -> None:
+    """Make one param group's unshard asynchronous (FSDP2 then waits on it only when forward needs it).
+
+    ``FSDPModule._set_unshard_async_op`` would do this for every group below the module, including
+    nested units the caller did not list, so the flag is set per group.
+    """
+    TORCH.set(group, "unshard_async_op", enabled, "asynchronous FSDP2 unshards", owner="FSDPParamGroup")
+
+
+def clear_prefetch_targets(state: Any) -> None:
+    """Drop a unit's explicit forward and backward prefetch targets (undoes ``set_modules_to_*_prefetch``)."""
+    for name in ("_states_to_forward_prefetch", "_states_to_backward_prefetch"):
+        TORCH.set(state, name, [], "clearing FSDP2 explicit prefetching", owner="FSDPState")
+
+
+def sharded_param(fsdp_param: Any) -> nn.Parameter:
+    """The sharded ``DTensor`` parameter an ``FSDPParam`` registers on its module."""
+    return TORCH.get(fsdp_param, "sharded_param", "the sharded parameter of an FSDP2 param", owner="FSDPParam")
+
+
+def sharded_local_tensor(fsdp_param: Any) -> torch.Tensor:
+    """The local tensor of an ``FSDPParam``'s shard (a tensor subclass may define ``fsdp_pre_all_gather``)."""
+    purpose = "whether an FSDP2 param uses a tensor-subclass all-gather extension"
+    return TORCH.get(fsdp_param, "_sharded_local_tensor", purpose, owner="FSDPParam")
+
+
+# ----------------------------------------------------------------------------------- torch core
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many tensors (views included) share ``tensor``'s storage."""
+    purpose = "telling when a pooled comm buffer is free"
+    storage = tensor.untyped_storage()
+    count = TORCH.get(TORCH.get(torch, "_C", purpose), "_storage_Use_Count", purpose, owner="torch._C")
+    return int(count(TORCH.get(storage, "_cdata", purpose, owner="UntypedStorage")))
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
+    """The ``ord``-norm of each tensor, in one fused call (``torch._foreach_norm``)."""
+    return list(TORCH.get(torch, "_foreach_norm", "fused per-tensor norms")(list(tensors), ord))
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], factor: torch.Tensor | float) -> None:
+    """Multiply every tensor in place by ``factor``, in one fused call (``torch._foreach_mul_``)."""
+    TORCH.get(torch, "_foreach_mul_", "fused in-place scaling")(list(tensors), factor)
+
+
+# Written by ``FileSystemWriter`` (``torch/distributed/checkpoint/filesystem.py``) into every ``.metadata`` pickle.
+_DCP_METADATA_GLOBALS = (
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.serialization", "_get_layout"),
+)
+
+
+@functools.cache
+def dcp_metadata_private_globals() -> frozenset[tuple[str, str]]:
+    """The ``(module, name)`` private globals DCP ``.metadata`` pickles refer to, each checked to exist here.
+
+    Raises:
+        RuntimeError: this torch no longer has one of them (its metadata files would name another).
+    """
+    purpose = "reading DCP checkpoint metadata with a restricted unpickler"
+    for module, name in _DCP_METADATA_GLOBALS:
+        TORCH.get(importlib.import_module(module), name, purpose)
+    return frozenset(_DCP_METADATA_GLOBALS)

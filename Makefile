@@ -16,10 +16,10 @@ STAMP := $(VENV)/.qaccel-installed
 # (2) if that is a CUDA build (torch.version.cuda set; e.g. PyPI's Linux x86-64 wheel), say so and
 # reinstall torch alone from TORCH_CPU_INDEX, then drop the nvidia-*/triton wheels it pulled in;
 # (3) if TORCH_CPU_INDEX cannot be reached, keep the CUDA build (it runs on CPU) and say so.
-# With nvidia-smi: whatever torch>=2.9 pip resolves (the CUDA build on PyPI).
+# With nvidia-smi: the CUDA build of torch in the tested range (pyproject.toml), as pip resolves it on PyPI.
 define INSTALL_TORCH
 	if command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q "torch>=2.9"; \
+		$(PY) -m pip install -q "torch>=2.9,<2.14"; \
 	else \
 		$(PY) -m pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)"; \
 		if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then \
@@ -43,7 +43,8 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-# The README's first command: gpt2-tiny on 2 CPU processes, QSDP W8G8 next to stock FSDP2.
+# The README's first command: gpt2-tiny on 2 CPU processes, QSDP W8G8 next to stock FSDP2, over a
+# loopback shaped to 100 Mbit/s in a network namespace where root allows it (else it says why not).
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/demo.py --output_dir runs/demo
 

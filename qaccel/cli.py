@@ -1,7 +1,8 @@
-"""The ``qaccel`` command line: ``env``, ``selfcheck``, ``bench {quant,comm}``, ``train`` and more.
+"""The ``qaccel`` command line: ``train``, ``recipes``, ``configs``, ``export``, ``push``, ``bench`` and more.
 
 Results go to stdout as JSON (stable keys, ``schema_version``), progress and logs to stderr.
-Exit codes: 0 success, 1 failure, 2 usage error.
+Exit codes: 0 success, 1 failure, 2 usage error (one line, no traceback; ``QACCEL_DEBUG=1`` shows it).
+Flags use Hugging Face's underscore style (``--output_dir``, ``--dry_run``) in every subcommand.
 """
 
 from __future__ import annotations
@@ -10,15 +11,21 @@ import argparse
 import logging
 import sys
 
-from .commands import bench, env, export, push, recipes, selfcheck, train
+from ._errors import report_bad_input
+from ._extras import MissingExtraError
+from .commands import bench, configs, env, export, push, recipes, selfcheck, train
 
 __all__ = ["main", "build_parser"]
 
-_COMMANDS = (env, selfcheck, bench, train, export, push, recipes)
+_COMMANDS = (train, recipes, configs, export, push, bench, env, selfcheck)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qaccel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="qaccel",
+        description=__doc__.splitlines()[0],
+        epilog="Flags use underscores, as in Hugging Face's scripts (--output_dir, --dry_run). QACCEL_DEBUG=1 shows tracebacks for bad input.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in _COMMANDS:
@@ -36,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     args.extra_args = extra
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MissingExtraError as err:  # any subcommand: one line naming the pip install line
+        return report_bad_input(f"qaccel {args.command}", err)
 
 
 if __name__ == "__main__":

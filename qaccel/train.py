@@ -4,27 +4,37 @@ A recipe (``qaccel recipes`` lists them) names the model, tokenizer, data, hyper
 method; flags override it. The method decides the parallelism: QSDP runs on FSDP2, 0/1 Adam and
 1-bit Adam on DDP, ``none`` runs the recipe's parallelism uncompressed (the baseline).
 
+This module is the one training loop: ``python -m qaccel.train``, ``qaccel train`` (which checks
+the inputs, then launches it with the recipe's launch config) and ``scripts/train.py`` (a link to
+this file, for reading) all run it.
+
     # 2 CPU processes (no GPU needed)
-    accelerate launch --config_file launch_configs/cpu_2proc_qsdp.yaml scripts/train.py --recipe gpt2-tiny --output_dir runs/gpt2-tiny
-    accelerate launch --config_file launch_configs/cpu_2proc_ddp.yaml scripts/train.py --recipe bert-tiny --output_dir runs/bert-tiny
-    torchrun --nproc_per_node 2 scripts/train.py --recipe minilm-finetune --output_dir runs/minilm
-    qaccel train --recipe gpt2-tiny --output_dir runs/gpt2-tiny          # same job, the recipe's launch config
+    qaccel train --recipe gpt2-tiny --output_dir runs/gpt2-tiny          # the recipe's launch config
+    accelerate launch --config_file "$(qaccel configs --path cpu_2proc_qsdp)" -m qaccel.train --recipe gpt2-tiny --output_dir runs/gpt2-tiny
+    accelerate launch --config_file "$(qaccel configs --path cpu_2proc_ddp)" -m qaccel.train --recipe bert-tiny --output_dir runs/bert-tiny
+    torchrun --nproc_per_node 2 -m qaccel.train --recipe minilm-finetune --output_dir runs/minilm
 
     # one node with 8 GPUs
-    accelerate launch --config_file launch_configs/gpu_1node_8_qsdp.yaml scripts/train.py --recipe gpt2-124m --output_dir runs/gpt2-124m
+    accelerate launch --config_file "$(qaccel configs --path gpu_1node_8_qsdp)" -m qaccel.train --recipe gpt2-124m --output_dir runs/gpt2-124m
+
+Bad input (a flag, a recipe key, a checkpoint to resume) is one line from the main process and
+exit status 2, before any process group exists; ``QACCEL_DEBUG=1`` adds the traceback.
 
 Writes ``OUTPUT_DIR/metrics.jsonl`` (one line per optimizer step: loss, learning rate, bytes this
-rank sent, step time; eval results on eval steps), ``OUTPUT_DIR/checkpoint-STEP/`` every
+rank sent, step time; eval results on eval steps, and as step 0 with ``--eval_on_start``), ``OUTPUT_DIR/checkpoint-STEP/`` every
 ``--save_steps`` and at the end, and tensorboard logs with ``--report_to tensorboard``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import sys
 import time
-from dataclasses import fields
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils import set_seed
@@ -32,53 +42,53 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from qaccel._errors import USAGE_EXIT_CODE, ArgumentParser, UsageError, report_bad_input
+from qaccel._extras import MissingExtraError, require_extra
+from qaccel._settings import add_config_flags, field_names
+from qaccel.checkpoint import (
+    CheckpointError,
+    build_run_state,
+    check_save_total_limit,
+    checkpoint_path,
+    open_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    save_checkpoint_metadata,
+)
 from qaccel.fsdp import QSDPConfig
-from qaccel.hub.run_state import build_run_state, check_resume, read_run_state, save_checkpoint_metadata
 from qaccel.optim.config import OneBitAdamConfig, ZeroOneAdamConfig
 from qaccel.training import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     METHODS,
     BatchSeededCollator,
     FaultReporter,
+    MethodPlan,
     MetricsLog,
     TrainingGuards,
     build_accelerator,
     build_optimizer,
+    check_resume,
     evaluate_model,
     meter_stock_ddp,
     plan_method,
+    process_group_timeout,
     replica_check_interval,
-    resolve_resume,
-    save_checkpoint,
-    verify_checkpoint,
 )
-from qaccel.zoo import load_accuracy_metric, load_data, load_model, load_recipe, load_tokenizer
+from qaccel.training.methods import LAUNCH_FROM_ENV
+from qaccel.zoo import Recipe, load_accuracy_metric, load_data, load_model, load_recipe, load_tokenizer
 
-QSDP_FIELDS = [f.name for f in fields(QSDPConfig)]
-ZOADAM_FIELDS = sorted({f.name for f in fields(ZeroOneAdamConfig)} | {f.name for f in fields(OneBitAdamConfig)})
+QSDP_FIELDS = field_names(QSDPConfig)
+ZOADAM_FIELDS = field_names(ZeroOneAdamConfig, OneBitAdamConfig)
+# What a run refuses before it starts: a flag, recipe key, setting, environment variable or checkpoint.
+BAD_INPUT_ERRORS = (UsageError, ValueError, TypeError, NotImplementedError, CheckpointError, MissingExtraError)
 TRAINING_FLAGS = (
     "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
     "warmup_steps", "lr_scheduler", "seed", "save_steps", "eval_steps", "mixed_precision",
 )  # fmt: skip
 
 
-def parse_value(text: str) -> int | float | bool | str | None:
-    """A ``--qsdp_*`` / ``--zoadam_*`` value: int, float, bool, ``none``, or the string itself."""
-    lowered = text.strip().lower()
-    if lowered in ("none", "null"):
-        return None
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])  # a usage error raises UsageError
     parser.add_argument("--recipe", required=True, help="a recipe name (`qaccel recipes`) or a recipe file")
     parser.add_argument("--model_name_or_path", help="pretrained model: a local folder or a Hub id (overrides the recipe)")
     parser.add_argument("--method", choices=METHODS, help="communication method (default: the recipe's)")
@@ -90,9 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weight_decay", type=float)
     parser.add_argument("--warmup_steps", type=int)
     parser.add_argument("--lr_scheduler", help="a transformers scheduler name (linear, cosine, constant, ...)")
-    parser.add_argument("--seed", type=int, help="model init, data order and quantization noise")
+    parser.add_argument("--seed", type=int, help="data order, dropout and masked-LM masks (the model init uses the recipe's training.seed; QSDP's rounding noise --qsdp_seed)")
     parser.add_argument("--save_steps", type=int, help="checkpoint every N optimizer steps (0: only at the end)")
+    parser.add_argument("--save_total_limit", type=int, help="keep only the N newest complete checkpoints (default: all)")
     parser.add_argument("--eval_steps", type=int, help="evaluate every N optimizer steps (0: only at the end)")
+    parser.add_argument("--eval_on_start", action="store_true", help="also evaluate the untrained model, as step 0 (a fresh run only)")
     parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"])
     parser.add_argument("--resume_from_checkpoint", help="a checkpoint folder, or `latest` (the newest complete one in --output_dir)")
     parser.add_argument("--report_to", default="none", help="Accelerate trackers: tensorboard, wandb, all, or none")
@@ -102,29 +114,72 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--collective_timeout_s", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
                         help="a collective waiting longer than this (a hung or lost rank) stops the run")  # fmt: skip
     parser.add_argument("--allow_nonfinite", action="store_true", help="train on through NaN/inf gradients or weights (default: stop)")
-    for name in QSDP_FIELDS:
-        parser.add_argument(f"--qsdp_{name}", type=parse_value, help=f"QSDPConfig.{name}")
-    for name in ZOADAM_FIELDS:
-        parser.add_argument(f"--zoadam_{name}", type=parse_value, help=f"ZeroOneAdam/OneBitAdam setting {name}")
+    # One flag per config field, help and type from the field (qaccel._settings); not given: not passed on.
+    add_config_flags(parser.add_argument_group("QSDP settings (--method qsdp; QSDPConfig)"), "qsdp_", QSDPConfig)
+    add_config_flags(
+        parser.add_argument_group("0/1 Adam and 1-bit Adam settings (ZeroOneAdamConfig, OneBitAdamConfig)"),
+        "zoadam_", ZeroOneAdamConfig, OneBitAdamConfig,
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.push_to_hub and not args.hub_model_id:
-        parser.error("--push_to_hub needs --hub_model_id ORG/NAME")
+        raise UsageError("--push_to_hub needs --hub_model_id ORG/NAME")
+    check_save_total_limit(args.save_total_limit, "--save_total_limit")  # 0 or negative: refused before any save
     return args
 
 
-def flag_section(args: argparse.Namespace, prefix: str, names: list[str]) -> dict:
-    values = {name: getattr(args, prefix + name) for name in names}
-    return {name: value for name, value in values.items() if value is not None}
+def flag_section(args: argparse.Namespace, prefix: str, names: tuple[str, ...]) -> dict:
+    """The ``--<prefix><field>`` flags given on the command line (flags not given are absent from ``args``)."""
+    return {name: getattr(args, prefix + name) for name in names if hasattr(args, prefix + name)}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+@dataclass(frozen=True)
+class RunInputs:
+    """Everything the run is asked to do, checked before any process group, file or model exists."""
+
+    recipe: Recipe
+    cfg: dict[str, Any]  # the training settings (TRAINING_FLAGS): recipe values, flags on top
+    plan: MethodPlan
+    model_source: str | None  # pretrained weights and tokenizer (flag, else recipe), or None: from config
+    output_dir: Path
+    resume_from: Path | None
+    saved: dict | None  # the resumed checkpoint's run state
+    resume_warnings: list[str]
+    replica_interval: int  # QACCEL_CHECK_REPLICAS
+    world_size: int
+
+    def run_state(self, step: int, wire_total: int, metrics: dict | None) -> dict:
+        """The metadata a checkpoint of this run records (and a resume compares)."""
+        return build_run_state(
+            method=self.plan.method,
+            method_config=self.plan.config_dict(),
+            recipe=self.recipe.name,
+            task=self.recipe.task,
+            step=step,
+            world_size=self.world_size,
+            wire_bytes_total=wire_total,
+            metrics=metrics,
+            base_model=self.model_source,
+            dataset=self.recipe.dataset.name,
+            extra={"training": self.cfg, "parallelism": self.plan.parallelism},
+        )
+
+
+def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = LAUNCH_FROM_ENV, world_size: int | None = None) -> RunInputs:
+    """Resolve and check the recipe, flags, environment and checkpoint to resume; touch nothing.
+
+    ``qaccel train`` calls this before it starts any process (with the launch config's parallelism
+    and process count); each rank calls it again first thing.
+
+    Raises:
+        ValueError, NotImplementedError, CheckpointError, MissingExtraError: bad input, naming the
+            flag or key, the value and what is allowed.
+    """
+    require_extra("zoo", "qaccel.train (recipes, data, tokenizers)")
     recipe = load_recipe(args.recipe)
     # Recipe values are the defaults; flags given on the command line win.
     cfg = {name: getattr(recipe.training, name) for name in TRAINING_FLAGS}
     cfg.update({name: getattr(args, name) for name in TRAINING_FLAGS if getattr(args, name) is not None})
     method = args.method or recipe.method.name
-    model_source = args.model_name_or_path or recipe.model.name_or_path
     onebit_recipe = recipe.method.onebit_adam if method == "onebit_adam" else recipe.method.zero_one_adam
     plan = plan_method(
         method,
@@ -135,33 +190,40 @@ def main(argv: list[str] | None = None) -> dict:
         flag_onebit=flag_section(args, "zoadam_", ZOADAM_FIELDS) if method in ("zero_one_adam", "onebit_adam") else {},
         learning_rate=cfg["learning_rate"],
         weight_decay=cfg["weight_decay"],
+        launch_parallelism=launch_parallelism,
     )
+    process_group_timeout(args.collective_timeout_s)  # refuses a non-positive --collective_timeout_s
     output_dir = Path(args.output_dir)
-    resume_from = resolve_resume(args.resume_from_checkpoint, output_dir)
-    replica_interval = replica_check_interval()  # QACCEL_CHECK_REPLICAS
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # what the Accelerator will see, known before it exists
+    inputs = RunInputs(
+        recipe=recipe,
+        cfg=cfg,
+        plan=plan,
+        model_source=args.model_name_or_path or recipe.model.name_or_path,
+        output_dir=output_dir,
+        resume_from=resolve_resume(args.resume_from_checkpoint, output_dir),
+        saved=None,
+        resume_warnings=[],
+        replica_interval=replica_check_interval(),
+        world_size=world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")),
+    )
+    if inputs.resume_from is None:
+        return inputs
+    # A damaged checkpoint, or one of another model or method, is refused before any collective.
+    saved = open_checkpoint(inputs.resume_from)  # names a missing, truncated or altered file before anything loads
+    warnings = check_resume(saved, inputs.run_state(saved["step"], 0, None))
+    return dataclasses.replace(inputs, saved=saved, resume_warnings=warnings)
 
-    def run_state(step: int, wire_total: int, metrics: dict | None) -> dict:
-        return build_run_state(
-            method=plan.method,
-            method_config=plan.config_dict(),
-            recipe=recipe.name,
-            task=recipe.task,
-            step=step,
-            world_size=world_size,
-            wire_bytes_total=wire_total,
-            metrics=metrics,
-            base_model=model_source,
-            dataset=recipe.dataset.name,
-            extra={"training": cfg, "parallelism": plan.parallelism},
-        )
 
-    saved = None
-    if resume_from is not None:  # a damaged checkpoint, or one of another model or method, is refused before any collective
-        verify_checkpoint(resume_from)  # names a missing, truncated or altered file before anything loads
-        saved = read_run_state(resume_from)
-        resume_warnings = check_resume(saved, run_state(saved["step"], 0, None))
+def main(argv: list[str] | None = None) -> dict:
+    """Parse, check and train; bad input raises (see :func:`cli` for the command-line behaviour)."""
+    args = parse_args(argv)
+    return train(args, check_inputs(args))
 
+
+def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
+    """The training run: set-up, the loop, evaluation, checkpoints, an optional push. Returns the summary."""
+    recipe, cfg, plan, model_source = inputs.recipe, inputs.cfg, inputs.plan, inputs.model_source
+    output_dir, resume_from, saved, run_state = inputs.output_dir, inputs.resume_from, inputs.saved, inputs.run_state
     accelerator = build_accelerator(
         plan,
         layer_cls=recipe.model.transformer_layer_cls,
@@ -204,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     completed_steps, wire_total, last_eval = 0, 0, None
     if saved is not None:
-        for warning in resume_warnings:
+        for warning in inputs.resume_warnings:
             accelerator.print(f"resume: {warning}")
         accelerator.load_state(str(resume_from))
         completed_steps, wire_total = saved["step"], saved["wire_bytes_total"]
@@ -215,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     log = MetricsLog(output_dir / "metrics.jsonl", enabled=accelerator.is_main_process, resume_step=completed_steps if resume_from else None)
     unwrapped = accelerator.unwrap_model(model)
     guards = TrainingGuards(  # non-finite values every step, replica hashes every QACCEL_CHECK_REPLICAS steps
-        accelerator, model, optimizer, allow_nonfinite=args.allow_nonfinite, replica_interval=replica_interval, first_step=completed_steps + 1
+        accelerator, model, optimizer, allow_nonfinite=args.allow_nonfinite, replica_interval=inputs.replica_interval, first_step=completed_steps + 1
     )
 
     def save(step: int) -> None:
@@ -228,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
                 generation_config=getattr(unwrapped, "generation_config", None),
             )
 
-        path = save_checkpoint(accelerator, output_dir, step, write_extra)
+        path = save_checkpoint(accelerator, output_dir, step, write_extra, save_total_limit=args.save_total_limit)
         accelerator.print(f"saved {path}")
 
     accelerator.print(
@@ -241,6 +303,11 @@ def main(argv: list[str] | None = None) -> dict:
     micro_done = completed_steps * cfg["gradient_accumulation_steps"]
     epoch, skip = divmod(micro_done, batches_per_epoch)
     progress = tqdm(total=cfg["max_steps"], initial=completed_steps, disable=not accelerator.is_main_process, desc="train")
+    if args.eval_on_start and completed_steps == 0:  # the curve's starting point, as Trainer's eval_on_start
+        last_eval = evaluate_model(accelerator, model, eval_loader, recipe.task, seed=cfg["seed"], metric=metric)
+        log.write({"step": 0, **last_eval})
+        accelerator.log(last_eval, step=0)
+        accelerator.print("step 0: " + ", ".join(f"{k} {v:.4g}" for k, v in last_eval.items()))
     accelerator.wire_meter.end_step()  # bytes of set-up collectives do not belong to step 1
     model.train()
     step_losses, step_start = [], time.perf_counter()
@@ -302,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
             from qaccel.hub.export import export_checkpoint
             from qaccel.hub.push import push_folder
 
-            final = output_dir / f"checkpoint-{completed_steps}"
+            final = checkpoint_path(output_dir, completed_steps)
             exported = export_checkpoint(final, output_dir / "export", overwrite=True, model_name=args.hub_model_id)
             push_folder(exported, args.hub_model_id)
     accelerator.end_training()
@@ -312,5 +379,23 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``python -m qaccel.train`` (and ``torchrun``/``accelerate launch`` of it): exit status 2 on bad input.
+
+    Bad input is one line on stderr, from the main process only (every rank checks, one speaks), with
+    no traceback unless ``QACCEL_DEBUG=1``; the launcher's own summary follows. Errors once training
+    has started are real failures and keep their tracebacks.
+    """
+    try:
+        args = parse_args(argv)
+        inputs = check_inputs(args)
+    except BAD_INPUT_ERRORS as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            report_bad_input("qaccel.train", err)
+        return USAGE_EXIT_CODE
+    train(args, inputs)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

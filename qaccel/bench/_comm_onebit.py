@@ -52,15 +52,15 @@ _PROBE = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--onebit-model", choices=sorted(MODELS), default="gpt2-124m", help="model shape (default gpt2-124m)")
-    parser.add_argument("--onebit-world-size", type=int, default=2, help="CPU processes (default 2)")
-    parser.add_argument("--onebit-total-steps", type=int, default=152_000, help="optimizer steps of the job (default 152000)")
-    parser.add_argument("--onebit-var-freeze-step", type=int, default=12_500, help="0/1 Adam F (default 12500)")
-    parser.add_argument("--onebit-var-update-scaler", type=int, default=16, help="0/1 Adam kappa (default 16)")
-    parser.add_argument("--onebit-local-step-scaler", type=int, default=1000, help="0/1 Adam alpha (default 1000)")
-    parser.add_argument("--onebit-local-step-clipper", type=int, default=16, help="0/1 Adam H (default 16)")
-    parser.add_argument("--onebit-freeze-step", type=int, default=23_000, help="1-bit Adam freeze step (default 23000)")
-    parser.add_argument("--onebit-granularity", choices=("tensor", "group"), default="tensor", help="1-bit unit (default tensor)")
+    parser.add_argument("--onebit_model", choices=sorted(MODELS), default="gpt2-124m", help="model shape (default gpt2-124m)")
+    parser.add_argument("--onebit_world_size", type=int, default=2, help="CPU processes (default 2)")
+    parser.add_argument("--onebit_total_steps", type=int, default=152_000, help="optimizer steps of the job (default 152000)")
+    parser.add_argument("--onebit_var_freeze_step", type=int, default=12_500, help="0/1 Adam F (default 12500)")
+    parser.add_argument("--onebit_var_update_scaler", type=int, default=16, help="0/1 Adam kappa (default 16)")
+    parser.add_argument("--onebit_local_step_scaler", type=int, default=1000, help="0/1 Adam alpha (default 1000)")
+    parser.add_argument("--onebit_local_step_clipper", type=int, default=16, help="0/1 Adam H (default 16)")
+    parser.add_argument("--onebit_freeze_step", type=int, default=23_000, help="1-bit Adam freeze step (default 23000)")
+    parser.add_argument("--onebit_granularity", choices=("tensor", "group"), default="tensor", help="1-bit unit (default tensor)")
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -171,9 +171,9 @@ def measure(args: argparse.Namespace) -> dict:
     """Measure bytes per step kind on real ranks, then total them over the stated schedule."""
     world_size = args.onebit_world_size
     if world_size < 2:
-        raise ValueError(f"--onebit-world-size={world_size}: must be >= 2 (nothing is communicated on 1 rank)")
+        raise ValueError(f"--onebit_world_size={world_size}: must be >= 2 (nothing is communicated on 1 rank)")
     if args.onebit_total_steps < 1:
-        raise ValueError(f"--onebit-total-steps={args.onebit_total_steps}: must be >= 1")
+        raise ValueError(f"--onebit_total_steps={args.onebit_total_steps}: must be >= 1")
     logger.info("bench comm onebit: %s on %d CPU ranks", args.onebit_model, world_size)
     jobs = [(args.onebit_model, method, args.onebit_granularity) for method in ("DDP AdamW fp32", "1-bit Adam", "0/1 Adam")]
     probes = {out["method"]: out for out in run_on_cpu_ranks(_probe, world_size, jobs, "bench comm onebit", pg_timeout_s=900)[0]}

@@ -41,10 +41,10 @@ BLOCK_SHAPES = {  # one transformer block's parameters in FSDP2 order: (shape, .
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--phases-model", choices=sorted(BLOCK_SHAPES), default="gpt2-124m", help="block shape (default gpt2-124m)")
-    parser.add_argument("--phases-world-sizes", type=int, nargs="+", default=[2, 4], help="process counts (default 2 4)")
-    parser.add_argument("--phases-bits", type=int, nargs="+", default=[8, 4], help="code widths (default 8 4)")
-    parser.add_argument("--phases-repeats", type=int, default=7, help="timed calls per collective; the median is reported")
+    parser.add_argument("--phases_model", choices=sorted(BLOCK_SHAPES), default="gpt2-124m", help="block shape (default gpt2-124m)")
+    parser.add_argument("--phases_world_sizes", type=int, nargs="+", default=[2, 4], help="process counts (default 2 4)")
+    parser.add_argument("--phases_bits", type=int, nargs="+", default=[8, 4], help="code widths (default 8 4)")
+    parser.add_argument("--phases_repeats", type=int, default=7, help="timed calls per collective; the median is reported")
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -197,7 +197,7 @@ def measure(args: argparse.Namespace) -> dict:
     rows = []
     for world in args.phases_world_sizes:
         if world < 2:
-            raise ValueError(f"--phases-world-sizes: {world}: every world size must be >= 2")
+            raise ValueError(f"--phases_world_sizes: {world}: every world size must be >= 2")
         jobs = [(args.phases_model, bits, args.phases_repeats) for bits in args.phases_bits]
         logger.info("bench comm phases: %s block on %d CPU ranks, bits %s", args.phases_model, world, args.phases_bits)
         per_rank = run_on_cpu_ranks(_one_config, world, jobs, "bench comm phases", pg_timeout_s=600)

@@ -36,10 +36,10 @@ MODELS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--qsdp-model", choices=sorted(MODELS), default="gpt2-124m", help="model shape (default gpt2-124m)")
-    parser.add_argument("--qsdp-world-size", type=int, default=2, help="CPU processes (default 2)")
-    parser.add_argument("--qsdp-steps", type=int, default=1, help="training steps per method; bytes are per step (default 1)")
-    parser.add_argument("--qsdp-seq-len", type=int, default=8, help="tokens per sequence (bytes do not depend on it)")
+    parser.add_argument("--qsdp_model", choices=sorted(MODELS), default="gpt2-124m", help="model shape (default gpt2-124m)")
+    parser.add_argument("--qsdp_world_size", type=int, default=2, help="CPU processes (default 2)")
+    parser.add_argument("--qsdp_steps", type=int, default=1, help="training steps per method; bytes are per step (default 1)")
+    parser.add_argument("--qsdp_seq_len", type=int, default=8, help="tokens per sequence (bytes do not depend on it)")
 
 
 def _one_method(rank: int, world_size: int, model_name: str, method: str, steps: int, seq_len: int) -> dict:
@@ -91,10 +91,10 @@ def _codec_dict(codec) -> dict | None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Run every method on ``--qsdp-world-size`` CPU ranks; bytes per step of rank 0, ratio vs FSDP fp32."""
+    """Run every method on ``--qsdp_world_size`` CPU ranks; bytes per step of rank 0, ratio vs FSDP fp32."""
     world_size = args.qsdp_world_size
     if world_size < 2:
-        raise ValueError(f"--qsdp-world-size={world_size}: must be >= 2 (nothing is communicated on 1 rank)")
+        raise ValueError(f"--qsdp_world_size={world_size}: must be >= 2 (nothing is communicated on 1 rank)")
     jobs = [(args.qsdp_model, method, args.qsdp_steps, args.qsdp_seq_len) for method in METHODS]
     logger.info("bench comm qsdp: %s on %d CPU ranks, %d step(s) per method", args.qsdp_model, world_size, args.qsdp_steps)
     per_rank = run_on_cpu_ranks(_one_method, world_size, jobs, "bench comm qsdp", pg_timeout_s=600)

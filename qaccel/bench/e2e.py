@@ -84,18 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "both for fsdp2-fp32 and qsdp-w8g8, off for the others")  # fmt: skip
     parser.add_argument("--steps", type=_positive(1), default=5, help="measured steps per configuration (default 5)")
     parser.add_argument("--warmup", type=_positive(2), default=2, help="warm-up steps before them, >= 2 (default 2)")
-    parser.add_argument("--world-size", type=_positive(2), default=2, help="ranks (default 2)")
+    parser.add_argument("--world_size", type=_positive(2), default=2, help="ranks (default 2)")
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-17m", help="model shape (default gpt2-17m; tiny for smoke)")
     parser.add_argument("--threads", type=_positive(1), default=1, help="torch/OpenMP threads per rank (default 1)")
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of every optimizer (default 1e-4)")
     parser.add_argument("--plot", default=None, help="write the PNG here (default: next to --json)")
     parser.add_argument("--markdown", default=None, help="write/replace the e2e section of this Markdown file (BENCHMARKS.md)")
-    parser.add_argument("--raw-dir", default=None,
+    parser.add_argument("--raw_dir", default=None,
                         help="keep every configuration's raw result (JSON) and log in this folder (default: a temporary one)")
-    parser.add_argument("--from-raw", default=None, metavar="DIR",
-                        help="run nothing: build the report from the raw results a run left in DIR (--raw-dir), e.g. after an "
+    parser.add_argument("--from_raw", default=None, metavar="DIR",
+                        help="run nothing: build the report from the raw results a run left in DIR (--raw_dir), e.g. after an "
                              "interrupted run; needs no root")  # fmt: skip
-    parser.add_argument("--config-timeout", type=_positive(10), default=None,
+    parser.add_argument("--config_timeout", type=_positive(10), default=None,
                         help="seconds one configuration may take before it is killed (default: from the model and rate)")  # fmt: skip
 
 
@@ -184,7 +184,7 @@ def _run_config(args, ns: ShapedNamespace, method: str, prefetch: bool | None, r
     raw = json.loads(out.read_text())
     raw["wall_s"] = time.perf_counter() - started
     raw["qdisc"] = {k: (after[k] - before.get(k, 0)) for k in ("drops", "overlimits", "requeues") if isinstance(after.get(k), int)}
-    out.write_text(json.dumps(raw))  # with the wall time and qdisc counters, for --from-raw
+    out.write_text(json.dumps(raw))  # with the wall time and qdisc counters, for --from_raw
     return raw
 
 
@@ -212,12 +212,12 @@ def _command_line(args: argparse.Namespace) -> str:
     if list(args.methods) != list(DEFAULT_METHODS):
         parts += ["--methods", ",".join(args.methods)]
     for flag, value, default in (("--prefetch", args.prefetch, "default"), ("--steps", args.steps, 5), ("--warmup", args.warmup, 2),
-                                 ("--world-size", args.world_size, 2), ("--model", args.model, "gpt2-17m"),
+                                 ("--world_size", args.world_size, 2), ("--model", args.model, "gpt2-17m"),
                                  ("--threads", args.threads, 1), ("--lr", args.lr, 1e-4)):  # fmt: skip
         if value != default:
             parts += [flag, str(value)]
     for flag, value in (("--json", getattr(args, "json_path", None)), ("--plot", args.plot), ("--markdown", args.markdown),
-                        ("--raw-dir", getattr(args, "raw_dir", None)), ("--from-raw", getattr(args, "from_raw", None))):
+                        ("--raw_dir", getattr(args, "raw_dir", None)), ("--from_raw", getattr(args, "from_raw", None))):
         if value:
             parts += [flag, value]
     return shlex.join(parts)
@@ -264,7 +264,7 @@ def _measure_all(args: argparse.Namespace, rates: list[float | None], configs: l
 def _load_raw(folder: Path, rates: list[float | None], configs: list) -> tuple[list[dict], dict, dict]:
     """Rows from the per-configuration files a run left in ``folder``; a configuration without a result is an error row."""
     if not folder.is_dir():
-        raise E2EError(f"--from-raw {folder}: not a folder")
+        raise E2EError(f"--from_raw {folder}: not a folder")
     results: list[dict] = []
     shaping: dict[str, dict | None] = {}
     for rate in rates:

@@ -7,7 +7,7 @@ reported two ways: ``gbps`` counts the bytes each operation must move (quantize 
 writes ``bits*n/8`` plus metadata; dequantize the reverse; a copy reads and writes ``4n``), and
 ``gvalues_per_s`` counts input values. Ratios compare a backend's round trip with the reference and
 with the copy at the same thread count. The reference is slow and memory hungry (int64/fp64
-temporaries), so it runs on ``--reference-numel`` values; its throughput barely depends on size.
+temporaries), so it runs on ``--reference_numel`` values; its throughput barely depends on size.
 Timings are the median of ``--repeats`` runs after one warm-up. Quantize returns new tensors, so
 its figure includes first-touch page faults of the code buffer; ``copy.clone_gbps`` shows what
 allocation costs a plain copy on the same machine (``THP_MEM_ALLOC_ENABLE=1`` lets torch back large
@@ -36,11 +36,11 @@ _GOAL_VS_COPY = 0.30
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=int, default=1 << 26, help="fp32 values in the test tensor (default 64M)")
     parser.add_argument(
-        "--reference-numel", type=int, default=1 << 23, help="values for the slow reference backend (default 8M)"
+        "--reference_numel", type=int, default=1 << 23, help="values for the slow reference backend (default 8M)"
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
     parser.add_argument("--bits", default="8,4", help="comma-separated code widths (default 8,4)")
-    parser.add_argument("--bucket-size", type=int, default=1024, help="elements per bucket (default 1024)")
+    parser.add_argument("--bucket_size", type=int, default=1024, help="elements per bucket (default 1024)")
     parser.add_argument(
         "--threads", default="1,all", help="comma-separated CPU thread counts, 'all' = torch's default (default 1,all)"
     )

@@ -40,8 +40,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     convergence_parser.set_defaults(func=_run(convergence_bench))
 
 
+def _require_plotting(args: argparse.Namespace) -> None:
+    """A benchmark that will draw its PNG (``--json`` puts one beside it) needs matplotlib: say so before it runs."""
+    from .._extras import require_extra
+
+    if any(getattr(args, name, None) for name in ("json_path", "png", "plot")):
+        require_extra("bench", f"qaccel bench {args.bench_kind} (its PNG)", modules=("matplotlib",))
+
+
 def _run(module):
     def run(args: argparse.Namespace) -> int:
+        _require_plotting(args)
         report = module.run(args)
         emit(report, args.json_path)
         return 0
@@ -55,6 +64,7 @@ def _run_e2e(args: argparse.Namespace) -> int:
 
     from ..bench import e2e as e2e_bench
 
+    _require_plotting(args)
     try:
         report = e2e_bench.run(args)
     except e2e_bench.E2EError as exc:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
+from .._errors import report_bad_input
+from .._extras import MissingExtraError
 from ._output import emit
 
 _BNB_CHOICES = ("int8", "nf4")  # qaccel.hub.BNB_CHOICES, repeated so that --help needs no heavy import
@@ -20,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("out", help="the model folder to create")
     parser.add_argument("--bnb", choices=_BNB_CHOICES, help="quantize the weights with bitsandbytes (default: full precision)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
-    parser.add_argument("--model-name", help="name for the model card title and usage snippet (e.g. the Hub repo id)")
+    parser.add_argument("--model_name", help="name for the model card title and usage snippet (e.g. the Hub repo id)")
     parser.set_defaults(func=run)
 
 
@@ -29,9 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, bnb=args.bnb, overwrite=args.overwrite, model_name=args.model_name)
-    except (OSError, ValueError, RuntimeError, NotImplementedError) as err:
-        print(f"qaccel export: {err}", file=sys.stderr)
-        return 1
+    except (OSError, ValueError, RuntimeError, NotImplementedError, MissingExtraError) as err:
+        return report_bad_input("qaccel export", err, exit_code=1)  # a failure, not a usage error
     files = sorted(p.name for p in out.iterdir())
     emit({"export": {"checkpoint": args.checkpoint, "out": str(out), "bnb": args.bnb, "files": files, "sidecar": SIDECAR_FILE}})
     return 0

@@ -1,25 +1,25 @@
-"""``qaccel push OUT --repo-id ORG/NAME``: upload an exported model folder to the Hugging Face Hub in one commit."""
+"""``qaccel push OUT --repo_id ORG/NAME``: upload an exported model folder to the Hugging Face Hub in one commit."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
+from .._errors import report_bad_input
 from ._output import emit
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "push",
-        help="upload an exported model folder to the Hub (HF_TOKEN, HF_ENDPOINT); --dry-run sends nothing",
+        help="upload an exported model folder to the Hub (HF_TOKEN, HF_ENDPOINT); --dry_run sends nothing",
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("folder", help="a folder written by `qaccel export`")
-    parser.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub")
+    parser.add_argument("--repo_id", required=True, help="ORG/NAME on the Hub")
     parser.add_argument("--private", action="store_true", help="create the repository private")
     parser.add_argument("--revision", help="branch to commit to (created when missing; default main)")
-    parser.add_argument("--commit-message", help="default: 'Upload <folder> with qaccel'")
-    parser.add_argument("--dry-run", action="store_true", help="print what would be uploaded (files, sizes, card front matter); send nothing")
+    parser.add_argument("--commit_message", help="default: 'Upload <folder> with qaccel'")
+    parser.add_argument("--dry_run", action="store_true", help="print what would be uploaded (files, sizes, card front matter); send nothing")
     parser.set_defaults(func=run)
 
 
@@ -36,7 +36,6 @@ def run(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
         )
     except (PushError, OSError, ValueError) as err:
-        print(f"qaccel push: {err}", file=sys.stderr)
-        return 1
+        return report_bad_input("qaccel push", err, exit_code=1)  # a failure, not a usage error
     emit({"push": result})
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._output import emit
+from ._output import emit, format_table, report_usage_error
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -37,13 +37,6 @@ def _row(recipe) -> dict[str, str]:
     }
 
 
-def _table(rows: list[dict[str, str]], columns: tuple[str, ...]) -> str:
-    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in columns}
-    lines = ["  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip()]
-    lines += ["  ".join(r[c].ljust(widths[c]) for c in columns).rstrip() for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 def run(args: argparse.Namespace) -> int:
     from ..zoo import list_recipes, load_recipe
 
@@ -53,12 +46,11 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 emit({"recipes": rows})
             else:
-                sys.stdout.write(_table(rows, ("name", "task", "model", "method", "summary")))
+                sys.stdout.write(format_table(rows, ("name", "task", "model", "method", "summary")))
             return 0
         recipe = load_recipe(args.name)
     except (ValueError, RuntimeError) as err:
-        sys.stderr.write(f"qaccel recipes: {err}\n")
-        return 2
+        return report_usage_error("recipes", err)
     settings = recipe.front_matter()
     if args.json:
         emit({"recipe": settings, "path": str(recipe.path), "launch_config": str(recipe.launch_config_path())})

@@ -15,15 +15,17 @@ from typing import Any
 
 import torch
 
+from .._settings import env_flag
 from ..fsdp import QSDPConfig
-from ..fsdp.config import ENV_PREFIX as QSDP_ENV_PREFIX
 from ..optim import OneBitAdam, ZeroOneAdam
 from ..optim.config import OneBitAdamConfig, ZeroOneAdamConfig
 from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S, process_group_timeout
 
 __all__ = [
     "METHODS",
+    "LAUNCH_FROM_ENV",
     "MethodPlan",
+    "launch_config_parallelism",
     "plan_method",
     "build_accelerator",
     "build_optimizer",
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "none")
+LAUNCH_FROM_ENV = "env"  # plan_method's default: read the launch's parallelism from Accelerate's variables
 _ONEBIT_CONFIGS = {"zero_one_adam": ZeroOneAdamConfig, "onebit_adam": OneBitAdamConfig}
 
 
@@ -55,11 +58,30 @@ class MethodPlan:
 
 def _launch_parallelism() -> str | None:
     """The parallelism an ``accelerate launch`` config asked for, if any (FSDP is exported as env)."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if env_flag("ACCELERATE_USE_FSDP"):
         return "fsdp2"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    if env_flag("ACCELERATE_USE_DEEPSPEED"):
         return "deepspeed"
     return None
+
+
+def launch_config_parallelism(config_file: str | os.PathLike) -> str | None:
+    """The parallelism an Accelerate config file asks for (``fsdp2``, ``deepspeed`` or None), read
+    with Accelerate's own loader, as ``accelerate launch`` will read it.
+
+    Raises:
+        ValueError: the file does not exist or Accelerate cannot read it.
+    """
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    if not os.path.isfile(config_file):
+        raise ValueError(f"launch config {str(config_file)!r}: no such file")
+    try:
+        config = load_config_from_file(str(config_file))
+    except Exception as err:  # noqa: BLE001 - yaml, key and value errors of Accelerate's loader alike
+        raise ValueError(f"launch config {str(config_file)!r}: Accelerate cannot read it: {err}") from None
+    kind = str(config.distributed_type).rsplit(".", 1)[-1]  # DistributedType.FSDP -> FSDP
+    return {"FSDP": "fsdp2", "DEEPSPEED": "deepspeed"}.get(kind)
 
 
 def plan_method(
@@ -72,6 +94,7 @@ def plan_method(
     flag_onebit: dict[str, Any],
     learning_rate: float,
     weight_decay: float,
+    launch_parallelism: str | None = LAUNCH_FROM_ENV,
 ) -> MethodPlan:
     """Resolve and validate the method's settings; refuse launches that contradict it.
 
@@ -82,6 +105,9 @@ def plan_method(
         recipe_onebit, flag_onebit: ``ZeroOneAdamConfig`` / ``OneBitAdamConfig`` fields from the
             recipe and from ``--zoadam_*`` flags; ``lr`` and ``weight_decay`` default to the
             training settings.
+        launch_parallelism: what the launch asks for (``fsdp2``, ``deepspeed`` or None); default:
+            read from the variables ``accelerate launch`` exports (a check before launching passes
+            :func:`launch_config_parallelism` of the config file instead).
 
     Precedence, as everywhere in qaccel: flag (argument), then ``QACCEL_*`` environment, then
     the recipe, then the default.
@@ -94,7 +120,7 @@ def plan_method(
         raise ValueError(f"--method {method!r}: unknown; choose one of {', '.join(METHODS)}")
     if recipe_method not in METHODS:
         raise ValueError(f"recipe method {recipe_method!r}: unknown; choose one of {', '.join(METHODS)}")
-    launch = _launch_parallelism()
+    launch = _launch_parallelism() if launch_parallelism == LAUNCH_FROM_ENV else launch_parallelism
     if launch == "deepspeed":
         raise ValueError(
             "the launch config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true); qaccel methods run on "
@@ -114,15 +140,16 @@ def plan_method(
     if parallelism == "fsdp2":
         known = {f.name for f in fields(QSDPConfig)}
         _refuse_unknown("qsdp", {**recipe_qsdp, **flag_qsdp}, known)
-        settings = {**_below_env(recipe_qsdp, QSDP_ENV_PREFIX), **flag_qsdp}
+        settings = dict(flag_qsdp)
         if method == "none":  # stock FSDP2, its traffic still counted by pass-through comms
             settings.update(weight_bits=None, grad_bits=None)
-        qsdp = QSDPConfig.from_env(**settings)
+        # the recipe's section sits where a config file would: below the QACCEL_QSDP_* variables
+        qsdp = QSDPConfig.from_env(recipe=recipe_qsdp, **settings)
     if method in _ONEBIT_CONFIGS:
         cls = _ONEBIT_CONFIGS[method]
         _refuse_unknown(method, {**recipe_onebit, **flag_onebit}, set(cls.field_names()))
         base = {"lr": learning_rate, "weight_decay": weight_decay, **recipe_onebit}
-        onebit = cls.from_env(**{**_below_env(base, cls.ENV_PREFIX), **flag_onebit})
+        onebit = cls.from_env(recipe=base, **flag_onebit)
     return MethodPlan(method=method, parallelism=parallelism, qsdp=qsdp, onebit=onebit)
 
 
@@ -130,11 +157,6 @@ def _refuse_unknown(section: str, settings: dict[str, Any], known: set[str]) -> 
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ValueError(f"{section} settings: unknown keys {unknown}; known: {', '.join(sorted(known))}")
-
-
-def _below_env(settings: dict[str, Any], env_prefix: str) -> dict[str, Any]:
-    """Drop the recipe values that a ``QACCEL_*`` variable sets: the environment outranks a recipe."""
-    return {k: v for k, v in settings.items() if env_prefix + k.upper() not in os.environ}
 
 
 def build_accelerator(

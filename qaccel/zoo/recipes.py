@@ -6,8 +6,8 @@ documents every key. The settings are frozen dataclasses; method sections stay p
 they print and serialise as written) but are validated by the real config classes
 (``QSDPConfig``, ``ZeroOneAdamConfig``, ``OneBitAdamConfig``).
 
-Where the cards are: ``$QACCEL_MODEL_CARDS`` if set, else ``model_cards/`` next to the ``qaccel``
-package (the repository root of a source checkout or editable install).
+Where the cards are: ``$QACCEL_MODEL_CARDS`` if set, else the ``model_cards/`` that ships with qaccel
+(``qaccel._resources``: inside an installed wheel, or at the top of a source checkout).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from .._resources import MODEL_CARDS_ENV, launch_config_names, launch_config_path, model_cards_dir
+from .._settings import load_yaml, split_front_matter
 from ._schema import Key, check_section, fail
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
     "LaunchSpec",
     "Recipe",
     "model_cards_dir",
-    "repo_root",
     "parse_card",
     "recipe_from_dict",
     "load_recipe",
@@ -55,7 +54,7 @@ DATASETS = {
 METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "none")
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 TOKENIZER_KINDS = ("bpe", "wordpiece")
-CARDS_ENV = "QACCEL_MODEL_CARDS"
+CARDS_ENV = MODEL_CARDS_ENV
 _NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
 
 
@@ -118,7 +117,7 @@ class MethodSpec:
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """``launch:``: the Accelerate launch file (relative to the repository root) and process count."""
+    """``launch:``: a launch config that ships with qaccel (``launch_configs/<name>.yaml``, see ``qaccel configs``) and its process count."""
 
     config: str
     num_processes: int
@@ -157,32 +156,11 @@ class Recipe:
         return data
 
     def launch_config_path(self) -> Path:
-        """The launch file as an absolute path (``launch.config`` is relative to the repo root)."""
-        return repo_root() / self.launch.config
+        """The launch file as an absolute path (``launch.config`` names a shipped launch config)."""
+        return launch_config_path(self.launch.config)
 
 
 # -- where the cards live --------------------------------------------------------------------
-
-
-def repo_root() -> Path:
-    """The folder that holds the ``qaccel`` package (the repository root of a checkout)."""
-    import qaccel
-
-    return Path(qaccel.__file__).resolve().parents[1]
-
-
-def model_cards_dir() -> Path:
-    """``$QACCEL_MODEL_CARDS``, else ``<repo root>/model_cards``.
-
-    Raises:
-        RuntimeError: the folder does not exist (e.g. a wheel install without the repository).
-    """
-    env = os.environ.get(CARDS_ENV)
-    path = Path(env).expanduser() if env else repo_root() / "model_cards"
-    if not path.is_dir():
-        source = f"${CARDS_ENV}" if env else "the default next to the qaccel package"
-        raise RuntimeError(f"model cards folder {str(path)!r} (from {source}) does not exist; set {CARDS_ENV} to the model_cards/ folder of a qaccel checkout")
-    return path
 
 
 def recipe_names() -> list[str]:
@@ -200,20 +178,7 @@ def list_recipes() -> list[Recipe]:
 
 def parse_card(text: str, where: str) -> tuple[Any, str]:
     """Split a card into its YAML front matter (parsed) and the Markdown body."""
-    lines = text.splitlines(keepends=True)
-    if not lines or lines[0].strip() != "---":
-        raise ValueError(f"{where}: a recipe card must start with a '---' line, then YAML front matter, then '---'")
-    for i in range(1, len(lines)):
-        if lines[i].strip() == "---":
-            return _yaml(("".join(lines[1:i])), where), "".join(lines[i + 1 :]).lstrip("\n")
-    raise ValueError(f"{where}: the front matter has no closing '---' line")
-
-
-def _yaml(text: str, where: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ValueError(f"{where}: invalid YAML: {err}") from None
+    return split_front_matter(text, where)
 
 
 def load_recipe(name_or_path: str) -> Recipe:
@@ -238,7 +203,7 @@ def load_recipe(name_or_path: str) -> Recipe:
     if path.suffix == ".md":
         data, body = parse_card(text, where)
     else:
-        data, body = _yaml(text, where), ""
+        data, body = load_yaml(text, where), ""
     recipe = recipe_from_dict(data, card_body=body, path=path)
     if recipe.name != path.stem:
         raise ValueError(f"{where}: name={recipe.name!r}: must equal the file name stem {path.stem!r}")
@@ -401,6 +366,7 @@ def _check_method(where: str, method: MethodSpec) -> None:
 
 
 def _check_launch(where: str, launch: LaunchSpec) -> None:
-    path = Path(launch.config)
-    if path.is_absolute() or path.suffix not in (".yaml", ".yml"):
-        fail(where, "launch.config", launch.config, "a .yaml path relative to the repository root, e.g. launch_configs/cpu_2proc_qsdp.yaml")
+    try:
+        launch_config_path(launch.config)
+    except ValueError:  # `qaccel train --launch_config FILE` takes any other file
+        fail(where, "launch.config", launch.config, f"a launch config that ships with qaccel: launch_configs/<{'|'.join(launch_config_names())}>.yaml")

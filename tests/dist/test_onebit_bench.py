@@ -22,9 +22,9 @@ def test_bench_rows_match_independent_counts():
     parser = argparse.ArgumentParser()
     _comm_onebit.add_arguments(parser)
     args = parser.parse_args(
-        ["--onebit-model", "tiny", "--onebit-total-steps", str(T), "--onebit-var-freeze-step", str(F),
-         "--onebit-var-update-scaler", str(KAPPA), "--onebit-local-step-scaler", str(ALPHA),
-         "--onebit-local-step-clipper", str(H), "--onebit-freeze-step", str(FREEZE)]
+        ["--onebit_model", "tiny", "--onebit_total_steps", str(T), "--onebit_var_freeze_step", str(F),
+         "--onebit_var_update_scaler", str(KAPPA), "--onebit_local_step_scaler", str(ALPHA),
+         "--onebit_local_step_clipper", str(H), "--onebit_freeze_step", str(FREEZE)]
     )  # fmt: skip
     report = _comm_onebit.measure(args)
     rows = {row["method"]: row for row in report["rows"]}

@@ -8,7 +8,7 @@ from qaccel.bench import _comm_qsdp
 def test_bench_rows_relate_as_the_wire_formats_say():
     parser = argparse.ArgumentParser()
     _comm_qsdp.add_arguments(parser)
-    report = _comm_qsdp.measure(parser.parse_args(["--qsdp-model", "tiny", "--qsdp-steps", "2"]))
+    report = _comm_qsdp.measure(parser.parse_args(["--qsdp_model", "tiny", "--qsdp_steps", "2"]))
     rows = {row["method"]: row for row in report["rows"]}
     assert list(rows) == ["FSDP fp32", "FSDP bf16", "QSDP W8G8", "QSDP W4G4"]
     fp32, bf16 = rows["FSDP fp32"], rows["FSDP bf16"]

@@ -102,9 +102,9 @@ def test_default_plan_runs_prefetch_both_ways_only_for_fsdp2_fp32_and_w8g8():
 
 
 def test_from_raw_names_a_missing_folder(tmp_path):
-    cmd = [sys.executable, "-m", "qaccel.cli", "bench", "e2e", "--from-raw", str(tmp_path / "nothing")]
+    cmd = [sys.executable, "-m", "qaccel.cli", "bench", "e2e", "--from_raw", str(tmp_path / "nothing")]
     proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "--from-raw" in proc.stderr and "not a folder" in proc.stderr
+    assert proc.returncode == 1 and "--from_raw" in proc.stderr and "not a folder" in proc.stderr
 
 
 def test_token_bucket_holds_a_full_loopback_packet():
@@ -123,7 +123,7 @@ def test_smoke_two_ranks_two_methods_on_a_shaped_link(tmp_path):
     md.write_text("# Benchmarks\n\nkept text\n")
     cmd = [sys.executable, "-m", "qaccel.cli", "bench", "e2e", "--model", "tiny", "--methods", "fsdp2-fp32,qsdp-w8g8",
            "--prefetch", "off", "--steps", "2", "--bandwidth", "50mbit", "--json", str(out), "--markdown", str(md),
-           "--raw-dir", str(tmp_path / "raw")]  # fmt: skip
+           "--raw_dir", str(tmp_path / "raw")]  # fmt: skip
     proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     report = json.loads(out.read_text())
@@ -154,9 +154,9 @@ def test_smoke_two_ranks_two_methods_on_a_shaped_link(tmp_path):
     assert Path(report["png"]).stat().st_size > 0
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nkept text\n") and "| qsdp-w8g8 |" in text
-    # --from-raw rebuilds the same rows from the kept per-configuration results, without running anything.
+    # --from_raw rebuilds the same rows from the kept per-configuration results, without running anything.
     rebuilt_json = tmp_path / "rebuilt.json"
-    rebuild = cmd[: cmd.index("--json")] + ["--json", str(rebuilt_json), "--from-raw", str(tmp_path / "raw")]
+    rebuild = cmd[: cmd.index("--json")] + ["--json", str(rebuilt_json), "--from_raw", str(tmp_path / "raw")]
     proc = subprocess.run(rebuild, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rebuilt = {r["label"]: r for r in json.loads(rebuilt_json.read_text())["results"]}

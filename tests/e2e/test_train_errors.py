@@ -1,4 +1,4 @@
-"""scripts/train.py refuses bad input with a clear error before any process group or collective exists,
+"""The training entry point (qaccel.train, scripts/train.py) refuses bad input with a clear error before any process group or collective exists,
 and writes nothing to the output directory (the table in docs/errors.md).
 
 All cases run in one separate Python process (this file run as a script, see ``_run_cases``): each
@@ -10,7 +10,7 @@ every case fails before an Accelerator is built, so nothing process-wide carries
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib
 import io
 import json
 import os
@@ -21,13 +21,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "train.py"
 
 
 def _foreign_checkpoint(root: Path, method: str, recipe: str, task: str, base_model: str, config: dict | None = None) -> Path:
     """A complete checkpoint folder as another run writes it: its run state and a manifest over it."""
-    from qaccel.hub.run_state import build_run_state
-    from qaccel.training.checkpoints import write_manifest
+    from qaccel.checkpoint import build_run_state, write_manifest
 
     folder = root / "checkpoint-4"
     folder.mkdir(parents=True)
@@ -84,11 +82,11 @@ EXPECTED = {
     "unknown_recipe": ("ValueError", ["gpt2-huge", "gpt2-tiny", "bert-tiny"]),
     "missing_recipe_file": ("ValueError", ["nope.md", "no such file"]),
     "malformed_recipe_file": ("ValueError", ["bad.md", "must start with a '---' line"]),
-    "unknown_method": ("SystemExit", ["--method: invalid choice: 'adam'", "qsdp"]),
+    "unknown_method": ("UsageError", ["--method: invalid choice: 'adam'", "qsdp"]),
     "qsdp_bits": ("ValueError", ["weight_bits", "9"]),
     "qsdp_bucket": ("ValueError", ["grad_bucket_size", "0"]),
     "qsdp_unknown_env_key": ("ValueError", ["QACCEL_QSDP_WEIGHT_BITZ", "QACCEL_QSDP_WEIGHT_BITS"]),
-    "qsdp_unknown_flag": ("SystemExit", ["unrecognized arguments: --qsdp_bits 4"]),
+    "qsdp_unknown_flag": ("UsageError", ["unrecognized arguments: --qsdp_bits 4"]),
     "zoadam_schedule": ("ValueError", ["var_freeze_step", "-1"]),
     "zoadam_unsupported_value": ("NotImplementedError", ["ZeroOneAdamConfig.amsgrad=True: must be False"]),
     "zero_one_adam_under_fsdp_launch": ("ValueError", ["runs on DDP", "cpu_2proc_ddp.yaml"]),
@@ -100,15 +98,13 @@ EXPECTED = {
     "resume_other_model": ("ValueError", ["resume: ", "differs", "gpt2-124m", "gpt2-tiny"]),
     "collective_timeout": ("ValueError", ["--collective_timeout_s 0.0: must be a number of seconds > 0"]),
     "check_replicas_env": ("ValueError", ["QACCEL_CHECK_REPLICAS='often': must be an integer >= 0"]),
-    "push_without_id": ("SystemExit", ["--push_to_hub needs --hub_model_id"]),
+    "push_without_id": ("UsageError", ["--push_to_hub needs --hub_model_id"]),
 }
 
 
 def _run_cases(tmp: Path) -> dict[str, dict]:
     """In this (separate) process: run every case through ``main`` and report what happened."""
-    spec = importlib.util.spec_from_file_location("train_script", SCRIPT)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = importlib.import_module("qaccel.train")  # what scripts/train.py links to
     results = {}
     for name, case in _cases(tmp).items():
         out = tmp / "out" / name
@@ -119,8 +115,6 @@ def _run_cases(tmp: Path) -> dict[str, dict]:
             with contextlib.redirect_stderr(stderr):
                 train.main([*case["argv"], "--output_dir", str(out)])
             result = {"error": None}
-        except SystemExit:  # argparse: usage and the message on stderr
-            result = {"error": "SystemExit", "message": stderr.getvalue().strip().splitlines()[-1]}
         except Exception as exc:  # noqa: BLE001 - the type and message are what the test checks
             result = {"error": type(exc).__name__, "message": str(exc)}
         finally:
@@ -149,6 +143,42 @@ def test_bad_input_is_refused_before_any_collective_and_nothing_is_written(outco
     for fragment in fragments:
         assert fragment in result["message"], (fragment, result["message"])
     assert not result["output_dir_exists"], result
+
+
+def _launch(cmd: list[str], tmp_path: Path, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "FSDP_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", **extra_env)
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def _torchrun_bad_recipe(tmp_path: Path, **extra_env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "qaccel.train", "--recipe", "gpt2-huge", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    return _launch(cmd, tmp_path, **extra_env)
+
+
+def test_under_torchrun_only_the_main_process_reports_bad_input_in_one_line(tmp_path):
+    proc = _torchrun_bad_recipe(tmp_path)
+    assert proc.returncode != 0
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if "qaccel.train: " in line]
+    assert len(ours) == 1 and ours[0].startswith("qaccel.train: unknown recipe 'gpt2-huge'; valid recipes: "), ours
+    # no traceback through qaccel's code (torchrun's own failure summary follows, as with any exit 2)
+    assert 'qaccel/train.py", line' not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_qaccel_debug_keeps_the_traceback_for_bad_input(tmp_path):
+    proc = _torchrun_bad_recipe(tmp_path, QACCEL_DEBUG="1")
+    assert 'qaccel/train.py", line' in proc.stderr and proc.stderr.count("qaccel.train: unknown recipe") == 1
+
+
+def test_qaccel_train_checks_before_it_launches_anything(tmp_path):
+    # a DDP-only method with the recipe's FSDP launch config: refused in the CLI process, exit 2, one line
+    cmd = [sys.executable, "-m", "qaccel.cli", "train", "--recipe", "gpt2-tiny", "--method", "zero_one_adam", "--output_dir", str(tmp_path / "out")]
+    proc = _launch(cmd, tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("qaccel train: --method zero_one_adam: runs on DDP"), proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_case_has_an_expectation():

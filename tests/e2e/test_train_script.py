@@ -150,4 +150,4 @@ def test_qaccel_train_dry_run_uses_the_recipe_launch_config(recipe, config):
     assert proc.returncode == 0, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert f"--config_file {REPO / 'launch_configs' / config}" in line
-    assert line.endswith(f"{SCRIPT} --recipe {recipe} --output_dir runs/x --max_steps 5")
+    assert line.endswith(f"-m qaccel.train --recipe {recipe} --output_dir runs/x --max_steps 5")

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qaccel.hub import build_run_state
+from qaccel.checkpoint import build_run_state
 from qaccel.hub.card import build_model_card
 from qaccel.hub.push import PushError, push_folder
 
@@ -140,7 +140,7 @@ def _run_cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
 
 
 def test_dry_run_prints_the_plan_and_sends_nothing(hub, export_folder, tmp_path):
-    proc = _run_cli([str(export_folder), "--repo-id", "org/tiny", "--dry-run"], _cli_env(tmp_path, _endpoint(hub), TOKEN))
+    proc = _run_cli([str(export_folder), "--repo_id", "org/tiny", "--dry_run"], _cli_env(tmp_path, _endpoint(hub), TOKEN))
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)["push"]
     expected = {p.name: p.stat().st_size for p in export_folder.iterdir()}
@@ -154,7 +154,7 @@ def test_dry_run_prints_the_plan_and_sends_nothing(hub, export_folder, tmp_path)
 
 def test_offline_mode_is_refused_before_any_request(hub, export_folder, tmp_path):
     env = _cli_env(tmp_path, _endpoint(hub), TOKEN, HF_HUB_OFFLINE="1")
-    proc = _run_cli([str(export_folder), "--repo-id", "org/tiny"], env)
+    proc = _run_cli([str(export_folder), "--repo_id", "org/tiny"], env)
     assert proc.returncode == 1
     assert "offline mode" in proc.stderr and "nothing was sent" in proc.stderr
     assert proc.stderr.count("qaccel push:") == 1 and proc.stdout == ""
@@ -162,7 +162,7 @@ def test_offline_mode_is_refused_before_any_request(hub, export_folder, tmp_path
 
 
 def test_missing_token_is_refused_before_any_request(hub, export_folder, tmp_path):
-    proc = _run_cli([str(export_folder), "--repo-id", "org/tiny"], _cli_env(tmp_path, _endpoint(hub), None))
+    proc = _run_cli([str(export_folder), "--repo_id", "org/tiny"], _cli_env(tmp_path, _endpoint(hub), None))
     assert proc.returncode == 1
     assert "no Hugging Face token" in proc.stderr and "HF_TOKEN" in proc.stderr
     assert proc.stderr.count("qaccel push:") == 1
@@ -171,7 +171,7 @@ def test_missing_token_is_refused_before_any_request(hub, export_folder, tmp_pat
 
 def test_unreachable_endpoint_is_one_clear_error(export_folder, tmp_path):
     endpoint = f"http://127.0.0.1:{_closed_port()}"
-    proc = _run_cli([str(export_folder), "--repo-id", "org/tiny"], _cli_env(tmp_path, endpoint, TOKEN))
+    proc = _run_cli([str(export_folder), "--repo_id", "org/tiny"], _cli_env(tmp_path, endpoint, TOKEN))
     assert proc.returncode == 1
     assert f"cannot reach {endpoint}" in proc.stderr and "nothing was sent" in proc.stderr
     assert proc.stderr.count("qaccel push:") == 1
@@ -185,7 +185,7 @@ def test_rejected_token_stops_before_creating_the_repo(hub, export_folder):
 
 
 def test_upload_sends_every_file_in_one_commit(hub, export_folder, tmp_path):
-    args = [str(export_folder), "--repo-id", "org/tiny", "--private", "--revision", "v1", "--commit-message", "first"]
+    args = [str(export_folder), "--repo_id", "org/tiny", "--private", "--revision", "v1", "--commit_message", "first"]
     proc = _run_cli(args, _cli_env(tmp_path, _endpoint(hub), TOKEN))
     assert proc.returncode == 0, proc.stderr
     assert TOKEN not in proc.stdout + proc.stderr

@@ -100,4 +100,4 @@ def test_torch_index_url_and_nvidia_smi(tmp_path):
     _, pip = _make(tmp_path / "a", "cpu", True, False, "TORCH_INDEX_URL=https://mirror.example/cpu")
     assert [c for c in pip if "torch" in c] == ["-m pip install -q --index-url https://mirror.example/cpu torch==2.13.0"]
     _, pip = _make(tmp_path / "b", "cuda", True, True)
-    assert [c for c in pip if "torch" in c] == ["-m pip install -q torch>=2.9"]  # a GPU machine: no probe, no swap
+    assert [c for c in pip if "torch" in c] == ["-m pip install -q torch>=2.9,<2.14"]  # a GPU machine: no probe, no swap

@@ -1,4 +1,4 @@
-"""Method planning for scripts/train.py: parallelism, launch mismatches, setting precedence."""
+"""Method planning for the training entry point: parallelism, launch mismatches, setting precedence."""
 
 import pytest
 
@@ -73,3 +73,27 @@ def test_one_bit_settings_precedence_and_training_defaults(monkeypatch):
     )
     assert plan.onebit.var_freeze_step == 90
     assert plan.config_dict()["var_freeze_step"] == 90
+
+
+@pytest.mark.parametrize("name, expected", [("cpu_2proc_qsdp", "fsdp2"), ("gpu_2node_8_qsdp", "fsdp2"), ("cpu_2proc_ddp", None), ("gpu_1node_8_ddp", None)])
+def test_a_launch_config_file_tells_its_parallelism_as_accelerate_launch_exports_it(name, expected):
+    import yaml
+
+    from qaccel._resources import launch_config_path
+    from qaccel.training.methods import launch_config_parallelism
+
+    path = launch_config_path(name)
+    assert launch_config_parallelism(path) == expected
+    # the independent reading: the file's own distributed_type
+    assert (yaml.safe_load(path.read_text())["distributed_type"] == "FSDP") == (expected == "fsdp2")
+
+
+def test_an_explicit_launch_parallelism_wins_over_the_environment(monkeypatch):
+    from qaccel.training.methods import launch_config_parallelism
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # ignored when the caller read the config file itself
+    assert plan_method("zero_one_adam", recipe_method="zero_one_adam", launch_parallelism=None, **BASE).parallelism == "ddp"
+    with pytest.raises(ValueError, match="DeepSpeed"):
+        plan_method("qsdp", recipe_method="qsdp", launch_parallelism="deepspeed", **BASE)
+    with pytest.raises(ValueError, match=r"launch config '.*nope.yaml': no such file"):
+        launch_config_parallelism("/nope.yaml")

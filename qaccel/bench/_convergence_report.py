@@ -74,9 +74,11 @@ def markdown(report: dict) -> str:
     lines: list[str] = []
     for name in report["task_order"]:
         task = report["tasks"][name]
+        # reports made before the study ran qaccel.train evaluated a fixed prefix of the eval split
+        held_out = f"{task['eval_examples']} held-out examples" if "eval_examples" in task else "the recipe's eval split"
         lines += [
             f"#### {name}: {task['steps']} steps, {task['seeds']} seeds, {task['world_size']} ranks, "
-            f"{task['per_device_batch_size']} examples per rank per step, eval on {task['eval_examples']} held-out examples",
+            f"{task['per_device_batch_size']} examples per rank per step, eval on {held_out}",
             "",
         ]
         has_acc = any("final_eval_accuracy_mean" in m["summary"] for m in task["methods"].values())

@@ -1,9 +1,10 @@
 """What ``qaccel bench convergence`` trains: tasks, their methods, the goals they are held to.
 
-A task is a zoo recipe plus the few settings the study changes to fit many runs on a small
-machine (steps, batch, eval size). A method is either a QSDP variant on FSDP2 or an optimizer on
-DDP; every task has exactly one uncompressed baseline, against which the others are compared.
-Method settings other than those named here come from the recipe, as in ``scripts/train.py``.
+A task is a zoo recipe plus the few settings the study changes, through the training loop's own
+flags, to fit many runs on a small machine (steps, batch, warm-up, eval interval). A method is
+either a QSDP variant on FSDP2 or an optimizer on DDP; every task has exactly one uncompressed
+baseline, against which the others are compared. Method settings other than those named here come
+from the recipe, as in any ``python -m qaccel.train --recipe NAME`` run.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ __all__ = ["Method", "Task", "TASKS", "task_by_name", "select_methods"]
 
 @dataclass(frozen=True)
 class Method:
-    """One way of communicating. ``qsdp`` holds QSDPConfig fields (FSDP2); ``optimizer`` names the DDP one."""
+    """One way of communicating: a ``qaccel.train --method`` and the ``--qsdp_*`` settings (QSDPConfig fields) it adds."""
 
     key: str  # stable id used in the JSON
     label: str  # for tables and plots
-    train_method: str  # scripts/train.py --method value: qsdp, none, zero_one_adam, onebit_adam
+    train_method: str  # qaccel.train --method value: qsdp, none, zero_one_adam, onebit_adam
     qsdp: dict[str, Any] = field(default_factory=dict)
     goal_pct: float | None = None  # allowed excess of the mean final eval loss over the baseline's, in %
     baseline: bool = False
@@ -28,17 +29,15 @@ class Method:
 
 @dataclass(frozen=True)
 class Task:
-    """A recipe and the study's settings for it."""
+    """A recipe and the study's settings for it (each becomes a ``qaccel.train`` flag)."""
 
     name: str  # the recipe name
     steps: int  # optimizer steps per run (default study)
     quick_steps: int  # optimizer steps per run with --quick
-    eval_every: int  # eval interval in steps (default study); the last step is always evaluated
-    per_device_batch_size: int
-    eval_examples: int  # held-out examples evaluated (a fixed prefix of the eval split)
+    eval_every: int  # --eval_steps (default study); the untrained model and the last step are always evaluated
+    per_device_batch_size: int  # --per_device_batch_size
     methods: tuple[Method, ...]
     why: str  # one line: why these settings
-    seq_len: int | None = None  # override of the recipe's dataset.seq_len (None: the recipe's)
 
     @property
     def baseline(self) -> Method:
@@ -46,7 +45,7 @@ class Task:
 
 
 _QSDP_METHODS = (
-    Method("fsdp2", "FSDP2 fp32", "none", {"weight_bits": None, "grad_bits": None}, baseline=True),
+    Method("fsdp2", "FSDP2 fp32", "none", baseline=True),  # the recipe's FSDP2 job, uncompressed
     Method("w8g8", "QSDP W8G8 (b1024 fp32, default)", "qsdp", {"weight_bits": 8, "grad_bits": 8}, goal_pct=1.0),
     Method(
         "w8g8-b128-bf16",
@@ -84,9 +83,8 @@ TASKS: dict[str, Task] = {
         quick_steps=4,
         eval_every=10,
         per_device_batch_size=4,
-        eval_examples=32,
         methods=_QSDP_METHODS,
-        why="recipe settings (AdamW 1e-3, cosine), 16 warm-up steps, 50 steps of 2 x 4 sequences of 128 tokens (the recipe: 300 of 2 x 8)",
+        why="recipe settings (AdamW 1e-3, cosine), 16 warm-up steps, 50 steps of 2 x 4 sequences of 128 tokens (the recipe: 300 of 2 x 8); eval on the recipe's whole eval split",
     ),
     "bert-tiny": Task(
         name="bert-tiny",
@@ -94,9 +92,8 @@ TASKS: dict[str, Task] = {
         quick_steps=4,
         eval_every=30,
         per_device_batch_size=4,
-        eval_examples=32,
         methods=_ONEBIT_METHODS,
-        why="recipe settings (0/1 Adam freezes the variance at step 100), 120 steps of 2 x 4 sequences with 40 warm-up steps (the recipe: 300 of 2 x 8, 100 warm-up)",
+        why="recipe settings (0/1 Adam freezes the variance at step 100), 120 steps of 2 x 4 sequences with 40 warm-up steps (the recipe: 300 of 2 x 8, 100 warm-up); eval on the recipe's whole eval split",
     ),
     "minilm-finetune": Task(
         name="minilm-finetune",
@@ -104,10 +101,8 @@ TASKS: dict[str, Task] = {
         quick_steps=3,
         eval_every=15,
         per_device_batch_size=4,
-        eval_examples=64,
         methods=_ONEBIT_METHODS,
-        why="recipe settings (0/1 Adam freezes the variance at step 30), 45 steps of 2 x 4 docstrings cut to 32 tokens with 15 warm-up steps (the recipe: 100 of 2 x 8 at 64 tokens, 30 warm-up)",
-        seq_len=32,
+        why="recipe settings (0/1 Adam freezes the variance at step 30), 45 steps of 2 x 4 docstrings of up to 64 tokens with 15 warm-up steps (the recipe: 100 of 2 x 8, 30 warm-up); eval on the recipe's whole eval split",
     ),
 }
 

@@ -1,14 +1,17 @@
 """``qaccel bench convergence``: eval loss of compressed methods against their uncompressed baseline, over seeds.
 
-Each (task, method) trains for the same number of steps once per seed, on 2 CPU ranks over gloo,
-and is evaluated at fixed intervals on the same held-out examples. The seeds are shared by the
+Each (task, method, seed) is one run of the package's training loop, launched as a user launches it
+(``torchrun --standalone --nproc_per_node 2 -m qaccel.train --recipe TASK ...``, CPU ranks over gloo,
+one thread each), and is evaluated by the loop on the recipe's eval split before training, at fixed
+intervals and at the end; the study reads the run's ``metrics.jsonl``. The seeds are shared by the
 methods of a task, so every method sees the same data orders; the seed also sets QSDP's rounding
 noise. Reported per method: final eval loss mean ± std over seeds, its difference to the baseline in
 % and in units of the baseline's seed std, the paired per-seed difference, and a verdict against the
 goals (W8G8 +1%, W4G4 +2%, 0/1 Adam +2% of the baseline, and within its seed spread). An optional long
-single-seed run of the tiny GPT (``--long-steps``) shows whether gaps close or grow.
+single-seed run of the tiny GPT (``--long_steps``) shows whether gaps close or grow.
 
-All runs share one pair of rank processes (``run_on_cpu_ranks``), one thread each.
+Run folders go to ``--runs_dir`` (kept: ``metrics.jsonl``, the final checkpoint, ``launch.log``) or
+to a temporary folder that is removed run by run.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ import json
 import logging
 import platform
 import shlex
+import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from . import _convergence_report, _convergence_stats
-from ._convergence_run import train_seeds
-from ._convergence_tasks import TASKS, Method, select_methods, task_by_name
-from ._ranks import run_on_cpu_ranks
+from ._convergence_run import loop_flags, seed_flags, train_command, train_run
+from ._convergence_tasks import TASKS, Method, Task, select_methods, task_by_name
 
 __all__ = ["add_arguments", "run", "LONG_METHODS"]
 
@@ -34,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 LONG_METHODS = ("fsdp2", "w8g8", "w4g4")  # the long gpt2-tiny run: baseline and the two default codecs
 QUICK_SEEDS = 2
-QUICK_EVAL_EXAMPLES = 16
+LONG_FOLDER = "gpt2-tiny-long"  # the long run's folder under --runs_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,11 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD", help="methods to run (default: all of each task; the baseline always runs)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per method, 0..N-1 (default 5; --quick: 2)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run for every task (default: per task)")
-    parser.add_argument("--eval-every", type=int, default=None, help="eval interval in steps (default: per task)")
-    parser.add_argument("--long-steps", type=int, default=0, help="also train gpt2-tiny this many steps, 1 seed, FSDP2 vs W8G8 vs W4G4 (default 0: off)")
-    parser.add_argument("--long-only", action="store_true", help="run only the long gpt2-tiny run (with --long-steps)")
+    parser.add_argument("--eval_every", type=int, default=None, help="eval interval in steps (default: per task)")
+    parser.add_argument("--long_steps", type=int, default=0, help="also train gpt2-tiny this many steps, 1 seed, FSDP2 vs W8G8 vs W4G4 (default 0: off)")
+    parser.add_argument("--long_only", action="store_true", help="run only the long gpt2-tiny run (with --long_steps)")
     parser.add_argument("--quick", action="store_true", help="a few steps and 2 seeds: checks the pipeline, not convergence")
-    parser.add_argument("--world-size", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument("--world_size", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument("--runs_dir", default=None, help="keep each run's folder here: TASK/METHOD/seed-N (default: a temporary folder, removed)")
     parser.add_argument("--plot", default=None, help="write the PNG here (default: next to --json)")
     parser.add_argument("--markdown", default=None, help="write the Markdown tables here")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="combine reports of earlier runs (e.g. one per task) instead of training")
@@ -54,17 +60,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace) -> tuple[list[str], int]:
     if args.long_only and not args.long_steps:
-        raise ValueError("--long-only: needs --long-steps N (N >= 1)")
+        raise ValueError("--long_only: needs --long_steps N (N >= 1)")
     if args.long_only and args.tasks:
-        raise ValueError(f"--long-only: runs gpt2-tiny's long run only; drop --tasks {' '.join(args.tasks)}")
+        raise ValueError(f"--long_only: runs gpt2-tiny's long run only; drop --tasks {' '.join(args.tasks)}")
     tasks = [] if args.long_only else args.tasks or list(TASKS)
     for name in tasks:
         task_by_name(name)  # names the bad value
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if args.quick else 5)
-    for flag, value, low in (("--seeds", seeds, 1), ("--world-size", args.world_size, 2), ("--long-steps", args.long_steps, 0)):
+    for flag, value, low in (("--seeds", seeds, 1), ("--world_size", args.world_size, 2), ("--long_steps", args.long_steps, 0)):
         if value < low:
             raise ValueError(f"{flag}={value}: must be >= {low}")
-    for flag, value in (("--steps", args.steps), ("--eval-every", args.eval_every)):
+    for flag, value in (("--steps", args.steps), ("--eval_every", args.eval_every)):
         if value is not None and value < 1:
             raise ValueError(f"{flag}={value}: must be >= 1")
     for name in tasks:
@@ -131,22 +137,29 @@ def _fill_order(report: dict) -> None:
 def _measure(args: argparse.Namespace) -> dict:
     tasks, num_seeds = _check(args)
     seeds = list(range(num_seeds))
-    jobs: list[tuple] = []
+    jobs: list[tuple] = []  # (folder under the runs dir, task, method, seeds, steps, eval interval)
     settings: dict[str, dict] = {}
     for name in tasks:
         task = TASKS[name]
         steps = args.steps or (task.quick_steps if args.quick else task.steps)
         eval_every = args.eval_every or (max(1, steps // 2) if args.quick else task.eval_every)
-        eval_examples = QUICK_EVAL_EXAMPLES if args.quick else task.eval_examples
-        settings[name] = {"steps": steps, "eval_every": eval_every, "eval_examples": eval_examples}
-        jobs += [(name, method, seeds, steps, eval_every, eval_examples) for method in select_methods(task, args.methods)]
+        settings[name] = {"steps": steps, "eval_every": eval_every}
+        jobs += [(name, task, method, seeds, steps, eval_every) for method in select_methods(task, args.methods)]
     if args.long_steps:
         long_eval = max(1, args.long_steps // 20)
-        jobs += [("gpt2-tiny", m, [0], args.long_steps, long_eval) for m in TASKS["gpt2-tiny"].methods if m.key in LONG_METHODS]
-    logger.info("bench convergence: %d jobs (%s) x %d seeds on %d CPU ranks", len(jobs), ", ".join(tasks), num_seeds, args.world_size)
+        jobs += [(LONG_FOLDER, TASKS["gpt2-tiny"], m, [0], args.long_steps, long_eval) for m in TASKS["gpt2-tiny"].methods if m.key in LONG_METHODS]
+    root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="qaccel-convergence-"))
+    folders = [root / folder / method.key for folder, _, method, *_ in jobs]
+    taken = [str(folder) for folder in folders if folder.exists()]
+    if taken:
+        raise ValueError(f"--runs_dir {root}: {', '.join(taken)} already exist; a run never overwrites another (choose an empty folder)")
+    logger.info("bench convergence: %d jobs (%s) x %d seeds on %d CPU ranks, runs in %s", len(jobs), ", ".join(tasks), num_seeds, args.world_size, root)
     started = time.perf_counter()
-    per_rank = run_on_cpu_ranks(train_seeds, args.world_size, jobs, "bench convergence", pg_timeout_s=1800, result_timeout_s=6 * 3600)
-    results = per_rank[0]  # every rank computes the same all-reduced losses
+    try:
+        results = [_train_seeds(folder, *job[1:], world_size=args.world_size, keep=bool(args.runs_dir)) for folder, job in zip(folders, jobs, strict=True)]
+    finally:
+        if not args.runs_dir:
+            shutil.rmtree(root, ignore_errors=True)
     report: dict = {
         "benchmark": "convergence",
         "commands": [_command_line(args)],
@@ -184,6 +197,25 @@ def _measure(args: argparse.Namespace) -> dict:
     return report
 
 
+def _train_seeds(folder: Path, task: Task, method: Method, seeds: list[int], steps: int, eval_every: int, *, world_size: int, keep: bool) -> dict:
+    """One ``qaccel.train`` job per seed in ``folder/seed-N``; each folder is removed after reading unless ``keep``."""
+    flags = loop_flags(task, method, steps=steps, eval_every=eval_every)
+    runs = []
+    for seed in seeds:
+        output_dir = folder / f"seed-{seed}"
+        run = train_run(method, seed, flags, world_size=world_size, output_dir=output_dir, timeout_s=600 + 20 * steps)
+        runs.append(run)
+        if not keep:  # checkpoints of the pretrained MiniLM are hundreds of MB; the record is all the study needs
+            shutil.rmtree(output_dir)
+        # progress on stderr whatever the log level: a full study takes an hour
+        print(f"bench convergence: {task.name} {method.key} seed {seed}: eval loss {run['eval'][-1]['eval_loss']:.4f} "
+              f"after {steps} steps ({run['seconds']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    # The loop's command line for this method, as a user would type it (torchrun is the launcher the study ran).
+    launched = train_command([*flags, *seed_flags(method, "SEED")], world_size=world_size, output_dir="RUN_DIR")
+    command = shlex.join(["torchrun", *launched[3:]])  # launched[:3]: this interpreter's `-m torch.distributed.run`
+    return {"task": task.name, "method": method.key, "runs": runs, "train_command": command}
+
+
 def _methods(methods: tuple[Method, ...], results: list[dict]) -> dict:
     """Per method key: label, runs, eval curve band and the summary against the baseline."""
     by_key = {r["method"]: r for r in results}
@@ -199,6 +231,7 @@ def _methods(methods: tuple[Method, ...], results: list[dict]) -> dict:
             "train_method": method.train_method,
             "qsdp": method.qsdp,
             "config": runs[0]["config"],
+            "train_command": by_key[method.key]["train_command"],
             "runs": [{k: v for k, v in run.items() if k != "config"} for run in runs],
             "eval_curve": _convergence_stats.curve_band(runs),
             "summary": _convergence_stats.summarize_method(runs, by_key[base_key]["runs"], method.goal_pct, is_baseline=method.baseline),
@@ -212,17 +245,19 @@ def _command_line(args: argparse.Namespace) -> str:
     for flag, value in (("--tasks", args.tasks), ("--methods", args.methods)):
         if value:
             parts += [flag, *value]
-    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--eval-every", args.eval_every)):
+    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--eval_every", args.eval_every)):
         if value is not None:
             parts += [flag, str(value)]
     if args.long_steps:
-        parts += ["--long-steps", str(args.long_steps)]
+        parts += ["--long_steps", str(args.long_steps)]
     if args.long_only:
-        parts.append("--long-only")
+        parts.append("--long_only")
     if args.quick:
         parts.append("--quick")
     if args.world_size != 2:
-        parts += ["--world-size", str(args.world_size)]
+        parts += ["--world_size", str(args.world_size)]
+    if args.runs_dir:
+        parts += ["--runs_dir", args.runs_dir]
     for flag, value in (("--json", getattr(args, "json_path", None)), ("--plot", args.plot), ("--markdown", args.markdown)):
         if value:
             parts += [flag, value]
@@ -238,6 +273,7 @@ def _machine(world_size: int) -> dict:
         "ranks": world_size,
         "threads_per_rank": 1,
         "backend": "gloo",
+        "launcher": "torchrun --standalone -m qaccel.train",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),

@@ -1,17 +1,27 @@
 """The README's first command: train ``gpt2-tiny`` with QSDP W8G8 and with stock FSDP2, side by side.
 
 Both runs use 2 CPU processes, the same recipe, seed, data order and steps; only the
-communication differs. Prints a table (final loss, eval perplexity, bytes this rank put on the
-wire, wall time) and leaves, under ``--output_dir``: one run folder per method (checkpoint,
-``metrics.jsonl``), ``demo.json`` with the table, and ``demo.png`` (loss and bytes per step).
+communication differs. Where the machine allows it (root, ``ip`` and ``tc``, network namespaces),
+both jobs run inside a private network namespace whose loopback is shaped to ``--bandwidth``
+(100 Mbit/s by default, shared by both ranks and both directions), the same set-up as
+``qaccel bench e2e``, so the time columns show what fewer bytes buy. Elsewhere the jobs run on the
+unshaped loopback, and one line says why only the bytes column shows the gain.
 
-    python scripts/demo.py --output_dir runs/demo            # what `make demo` runs
-    python scripts/demo.py --output_dir runs/demo --max_steps 50
+Prints a table (final loss, eval perplexity, bytes this rank put on the wire, median step time,
+wall time) and leaves, under ``--output_dir``: one run folder per method (checkpoint,
+``metrics.jsonl``), ``demo.json`` with the table and the link (with the bytes the shaped device
+carried), and ``demo.png`` (loss and bytes per step; needs matplotlib, ``pip install 'qaccel[bench]'``).
+
+    python scripts/demo.py --output_dir runs/demo                     # what `make demo` runs
+    python scripts/demo.py --output_dir runs/demo --bandwidth none    # unshaped: bytes only
+    python scripts/demo.py --output_dir runs/demo --max_steps 20      # a quick look
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -19,40 +29,78 @@ import sys
 import time
 from pathlib import Path
 
+from qaccel.bench._e2e_methods import format_rate, parse_rate
+from qaccel.bench._e2e_netns import NamespaceError, ShapedNamespace, check_prerequisites
+from qaccel.bench.e2e import _rate_arg  # the bench's --bandwidth parser: same syntax, same messages
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUNS = (
     ("QSDP W8G8", "qsdp", ["--qsdp_weight_bits", "8", "--qsdp_grad_bits", "8"]),
     ("FSDP2 (stock)", "none", []),
 )
+DEFAULT_STEPS = 200  # both jobs in about 10 minutes at 100 Mbit/s on a shared 2-core machine (README)
+# gpt2-tiny has 0.94M parameters: at 300 Mbit/s its link time per step is below its compute and the
+# step times differ by about 1.2x; at 100 Mbit/s the link dominates as it does for the 17M-parameter
+# model of `qaccel bench e2e` at 300 Mbit/s, which is the situation QSDP is for.
+DEFAULT_BANDWIDTH = "100mbit"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output_dir", default="runs/demo")
     parser.add_argument("--recipe", default="gpt2-tiny")
-    parser.add_argument("--max_steps", type=int, default=200, help="optimizer steps per run (the recipe has 300; 200 keeps the demo within about 5 minutes on 2 cores)")
+    parser.add_argument("--max_steps", type=int, default=DEFAULT_STEPS,
+                        help=f"optimizer steps per run (default {DEFAULT_STEPS}; the recipe has 300)")  # fmt: skip
+    parser.add_argument("--bandwidth", type=_rate_arg, default=DEFAULT_BANDWIDTH,
+                        help=f"rate of the shaped link in tc syntax (default {DEFAULT_BANDWIDTH}); 'none': unshaped loopback")  # fmt: skip
     parser.add_argument("--launch_config", default=str(REPO_ROOT / "launch_configs" / "cpu_2proc_qsdp.yaml"))
     return parser.parse_args(argv)
 
 
-def train(args: argparse.Namespace, method: str, extra: list[str], run_dir: Path) -> float:
-    """One ``accelerate launch`` of scripts/train.py; returns its wall time in seconds."""
+def open_link(stack: contextlib.ExitStack, bandwidth: str) -> tuple[ShapedNamespace | None, dict]:
+    """A shaped namespace (closed by ``stack``, also on Ctrl-C), or None and the reason in ``link["note"]``."""
+    rate = parse_rate(bandwidth)
+    if rate is None:
+        return None, {"rate": "none", "note": "--bandwidth none: unshaped loopback, so time is compute and only the bytes show the gain"}
+    try:
+        check_prerequisites(what="make demo")
+        ns = stack.enter_context(ShapedNamespace(name=f"qaccel-demo-{os.getpid()}"))
+        try:
+            tbf = ns.shape(rate)
+        except NamespaceError:
+            ns.close()
+            raise
+    except NamespaceError as exc:
+        reason = str(exc).splitlines()[0]
+        return None, {"rate": "none", "note": f"no shaped link, so only the bytes show the gain (time here is compute): {reason}"}
+    note = f"both jobs run in network namespace {ns.name}, its loopback shaped to {format_rate(rate)} (tc tbf, shared by both ranks)"
+    return ns, {"rate": format_rate(rate), "tbf": tbf, "namespace": ns.name, "note": note}
+
+
+def train(args: argparse.Namespace, method: str, extra: list[str], run_dir: Path, ns: ShapedNamespace | None) -> dict:
+    """One ``accelerate launch -m qaccel.train``; returns its wall time and, when shaped, the bytes the link carried."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.launch_config,
-        str(REPO_ROOT / "scripts" / "train.py"), "--recipe", args.recipe, "--method", method,
-        "--output_dir", str(run_dir), *extra,
+        "-m", "qaccel.train", "--recipe", args.recipe, "--method", method,
+        "--output_dir", str(run_dir), "--max_steps", str(args.max_steps), *extra,
     ]  # fmt: skip
-    if args.max_steps is not None:
-        command += ["--max_steps", str(args.max_steps)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    if ns is not None:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # the namespace's only interface; the host name may resolve to another
     print(f"\n=== {method}: {' '.join(command[3:])}", flush=True)
+    before = ns.qdisc_stats() if ns is not None else {}
     start = time.perf_counter()
-    subprocess.run(command, env=env, check=True)
-    return time.perf_counter() - start
+    subprocess.run(ns.command(command) if ns is not None else command, env=env, check=True)
+    result = {"wall_seconds": time.perf_counter() - start}
+    if ns is not None:
+        after = ns.qdisc_stats()
+        result["link_bytes"] = after.get("bytes", 0) - before.get("bytes", 0)  # both ranks, launch and eval included
+        result["link_drops"] = after.get("drops", 0) - before.get("drops", 0)
+    return result
 
 
-def summarize(run_dir: Path, seconds: float) -> dict:
+def summarize(run_dir: Path, launch: dict) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last_eval = [r for r in rows if "eval_loss" in r][-1]
     return {
@@ -62,41 +110,52 @@ def summarize(run_dir: Path, seconds: float) -> dict:
         "eval_perplexity": last_eval["eval_perplexity"],
         "wire_bytes_total": rows[-1]["wire_bytes_total"],
         "wire_bytes_per_step": rows[-1]["wire_bytes_total"] / rows[-1]["step"],
-        "wall_seconds": seconds,
         "median_step_seconds": sorted(r["step_seconds"] for r in rows)[len(rows) // 2],
-        "curve": {"step": [r["step"] for r in rows], "loss": [r["loss"] for r in rows], "wire_bytes": [r["wire_bytes"] for r in rows]},
+        **launch,
+        "curve": {"step": [r["step"] for r in rows], "loss": [r["loss"] for r in rows], "wire_bytes": [r["wire_bytes"] for r in rows],
+                  "seconds": list(itertools.accumulate(r["step_seconds"] for r in rows))},  # fmt: skip
     }
 
 
-def print_table(results: dict[str, dict]) -> None:
-    base = results["FSDP2 (stock)"]["wire_bytes_total"]
-    header = f"{'method':<15} {'steps':>5} {'final loss':>10} {'eval ppl':>9} {'MB sent/rank':>12} {'vs stock':>8} {'time s':>7}"
-    print("\n" + header + "\n" + "-" * len(header))
+def print_table(results: dict[str, dict], link: dict) -> None:
+    base = results["FSDP2 (stock)"]
+    header = (f"{'method':<15} {'steps':>5} {'final loss':>10} {'eval ppl':>9} {'MB sent/rank':>12} {'vs stock':>8} "
+              f"{'s/step':>7} {'time s':>7}")  # fmt: skip
+    print(f"\nlink: {link['rate']}\n" + header + "\n" + "-" * len(header))
     for name, r in results.items():
         print(
             f"{name:<15} {r['steps']:>5} {r['final_loss']:>10.4f} {r['eval_perplexity']:>9.2f} "
-            f"{r['wire_bytes_total'] / 1e6:>12.1f} {r['wire_bytes_total'] / base:>8.3f} {r['wall_seconds']:>7.1f}"
+            f"{r['wire_bytes_total'] / 1e6:>12.1f} {r['wire_bytes_total'] / base['wire_bytes_total']:>8.3f} "
+            f"{r['median_step_seconds']:>7.3f} {r['wall_seconds']:>7.1f}"
         )
-    print("final loss: mean of the last 10 steps; MB sent: bytes this rank put on the wire (qaccel's meter); time: whole launch")
+    print("final loss: mean of the last 10 steps; MB sent: bytes this rank put on the wire (qaccel's meter); "
+          "s/step: median optimizer step; time: whole launch (start-up, eval and checkpoint included)")  # fmt: skip
+    print(f"demo: {link['note']}")
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
+def plot(results: dict[str, dict], link: dict, path: Path) -> str:
+    """Draw loss and bytes per step to ``path``; returns what was written, for the closing line."""
+    try:
+        import matplotlib
+    except ImportError:  # an optional extra: the table and demo.json are the result
+        return "no plot (matplotlib is not installed: pip install 'qaccel[bench]')"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_bytes, ax_time) = plt.subplots(1, 3, figsize=(15, 4))
     for name, r in results.items():
         ax_loss.plot(r["curve"]["step"], r["curve"]["loss"], label=name, linewidth=1)
         ax_bytes.plot(r["curve"]["step"], [b / 1e6 for b in r["curve"]["wire_bytes"]], label=name)
-    ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="gpt2-tiny, 2 CPU processes")
+        ax_time.plot(r["curve"]["step"], r["curve"]["seconds"], label=name)
+    ax_loss.set(xlabel="optimizer step", ylabel="training loss", title=f"gpt2-tiny, 2 CPU processes, link {link['rate']}")
     ax_bytes.set(xlabel="optimizer step", ylabel="MB sent per rank", title="bytes on the wire per step", ylim=(0, None))
-    for ax in (ax_loss, ax_bytes):
+    ax_time.set(xlabel="optimizer step", ylabel="seconds", title="training time (sum of step times)", ylim=(0, None))
+    for ax in (ax_loss, ax_bytes, ax_time):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return f"plot: {path}"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -104,14 +163,16 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name, method, extra in RUNS:
-        run_dir = out / method
-        seconds = train(args, method, extra, run_dir)
-        results[name] = summarize(run_dir, seconds)
-    print_table(results)
-    (out / "demo.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out / "demo.png")
-    print(f"\nruns: {out}/qsdp, {out}/none (checkpoints, metrics.jsonl); table: {out}/demo.json; plot: {out}/demo.png")
+    with contextlib.ExitStack() as stack:
+        ns, link = open_link(stack, args.bandwidth)
+        print(f"demo: {link['note']}", flush=True)
+        for name, method, extra in RUNS:
+            run_dir = out / method
+            results[name] = summarize(run_dir, train(args, method, extra, run_dir, ns))
+    print_table(results, link)
+    (out / "demo.json").write_text(json.dumps({"link": link, "runs": results}, indent=2) + "\n")
+    drawn = plot(results, link, out / "demo.png")
+    print(f"\nruns: {out}/qsdp, {out}/none (checkpoints, metrics.jsonl); table: {out}/demo.json; {drawn}")
     return results
 
 

@@ -42,17 +42,22 @@ class NamespaceError(RuntimeError):
     """The namespace could not be created, shaped or used (message says which command and why)."""
 
 
-def check_prerequisites(euid: int | None = None) -> None:
-    """Raise NamespaceError unless this process is root and ``ip`` and ``tc`` exist."""
+def check_prerequisites(euid: int | None = None, what: str = "qaccel bench e2e") -> None:
+    """Raise NamespaceError unless this process is root and ``ip`` and ``tc`` exist.
+
+    Args:
+        euid: the effective user id to check (default: this process's).
+        what: the command that needs the namespace, named in the message (the bench, or ``make demo``).
+    """
     euid = os.geteuid() if euid is None else euid
     if euid != 0:
         raise NamespaceError(
-            f"qaccel bench e2e needs root (effective uid {euid}): it creates a network namespace and shapes its "
-            "loopback with tc. Run it as root, e.g. `sudo -E env PATH=$PATH qaccel bench e2e ...`."
+            f"{what} needs root (effective uid {euid}): it creates a network namespace and shapes its "
+            f"loopback with tc. Run it as root, e.g. `sudo -E env PATH=$PATH {what} ...`."
         )
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise NamespaceError(f"qaccel bench e2e needs {' and '.join(missing)} (iproute2) on PATH; install iproute2")
+        raise NamespaceError(f"{what} needs {' and '.join(missing)} (iproute2) on PATH; install iproute2")
 
 
 def tbf_parameters(rate_bits: float) -> dict:

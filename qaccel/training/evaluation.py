@@ -1,4 +1,4 @@
-"""Evaluation for the three recipe tasks: loss and perplexity, or accuracy.
+"""Evaluation for the three recipe tasks: loss and perplexity, or accuracy (and F1).
 
 Every rank evaluates its share of the eval set (FSDP2 needs all ranks in every forward);
 per-example sums are gathered with ``gather_for_metrics``, which drops the samples the
@@ -31,8 +31,8 @@ def evaluate_model(accelerator: Any, model: torch.nn.Module, loader: Any, task: 
 
     Args:
         task: ``causal-lm`` -> ``eval_loss``, ``eval_perplexity``; ``masked-lm`` -> the same over
-            masked tokens; ``sequence-classification`` -> ``eval_loss``, ``eval_accuracy`` (computed
-            by ``metric``, an ``evaluate`` accuracy module).
+            masked tokens; ``sequence-classification`` -> ``eval_loss`` and ``eval_<name>`` for each
+            result of ``metric`` (an ``evaluate`` module: accuracy, or accuracy and F1 combined).
         seed: masked-LM masking draws from torch's RNG; a fixed seed makes every evaluation see the
             same masks, and forking the RNG leaves the training stream untouched (exact resumes).
     """
@@ -61,7 +61,7 @@ def evaluate_model(accelerator: Any, model: torch.nn.Module, loader: Any, task: 
     loss = float(loss_sum) / max(token_count, 1)
     results = {"eval_loss": loss}
     if task == "sequence-classification":
-        results["eval_accuracy"] = float(metric.compute()["accuracy"])
+        results.update({f"eval_{name}": float(value) for name, value in metric.compute().items()})
     else:
         results["eval_perplexity"] = math.exp(min(loss, 50.0))
     return results

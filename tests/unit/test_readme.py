@@ -86,7 +86,8 @@ def _train_args(argv: list[str], command: str) -> None:
     from qaccel.zoo import load_recipe
 
     args = _parse(parse_args, argv, command)
-    load_recipe(args.recipe)  # raises, naming the recipe, when the README names one that does not exist
+    if args.recipe is not None:  # without one: your model + your data (parse_args checks that all are given)
+        load_recipe(args.recipe)  # raises, naming the recipe, when the README names one that does not exist
 
 
 def _load_script(path: Path):
@@ -107,7 +108,7 @@ def _check_qaccel(argv: list[str], command: str) -> None:
     if extra and not getattr(args, "accepts_extra_args", False):
         pytest.fail(f"README command `{command}`: qaccel {args.command} does not accept {extra}")
     if args.command == "train":  # its other flags go to the training loop
-        _train_args(["--recipe", args.recipe, *extra], command)
+        _train_args([*(["--recipe", args.recipe] if args.recipe else []), *extra], command)
 
 
 def _check_script(script: str, script_args: list[str], is_module: bool, command: str) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, send_to_device, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -82,8 +82,9 @@ from qaccel.training import (
 from qaccel.training.methods import LAUNCH_FROM_ENV
 from qaccel.zoo import Recipe, load_data, load_model, load_recipe, load_tokenizer
 from qaccel.zoo.metrics import load_classification_metrics
-from qaccel.zoo.recipes import TASKS
+from qaccel.zoo.recipes import SOURCE_LOCATION, TASKS
 from qaccel.zoo.user_data import DEFAULT_RECIPE_PATH, DataSource, check_data_source, default_recipe, load_user_data
+from qaccel.zoo.user_stream import DEFAULT_SHUFFLE_BUFFER, check_stream_resume, read_stream_state, write_stream_state
 
 QSDP_FIELDS = field_names(QSDPConfig)
 ZOADAM_FIELDS = field_names(ZeroOneAdamConfig, OneBitAdamConfig)
@@ -128,8 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--dataset_name", help="a Hub dataset id, a folder written by save_to_disk, or a local folder laid out like a Hub dataset repository")
     data.add_argument("--dataset_config_name", help="the dataset's configuration (e.g. mrpc of nyu-mll/glue)")
     data.add_argument("--dataset_revision", help="a branch, tag or commit of a Hub dataset")
-    data.add_argument("--train_split", default="train", help="split to train on (default: train)")
-    data.add_argument("--validation_split", default="validation", help="split to evaluate on (default: validation)")
+    data.add_argument("--train_split", help="split to train on (default: the recipe's dataset.train_split, else train)")
+    data.add_argument("--validation_split", help="split to evaluate on (default: the recipe's dataset.validation_split, else validation)")
     data.add_argument("--train_file", help="a local csv, json/jsonl, parquet, txt or arrow file (instead of --dataset_name)")
     data.add_argument("--validation_file", help="a local file of the same format as --train_file")
     data.add_argument("--text_column", help="the text column (default: text, else sentence, else the first string column)")
@@ -137,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--label_column", help="the label column: integers, strings or ClassLabel (default: label)")
     data.add_argument("--validation_split_percentage", type=float, help="evaluate on this percentage of the train split, drawn with --seed")
     data.add_argument("--max_seq_length", type=int, help="tokens per example or LM block (default: the recipe's dataset.seq_len, else 128)")
+    data.add_argument("--max_eval_samples", type=int, help="evaluate on the first N examples (LM blocks) of the validation set (default: all; --streaming: 1000)")
+    data.add_argument("--streaming", action="store_true", help="stream the train split: shuffled, sharded, tokenized and packed on the fly; resumes at the same block (LMs)")
+    data.add_argument("--streaming_shuffle_buffer", type=int, help=f"documents in the stream's shuffle buffer (default {DEFAULT_SHUFFLE_BUFFER}; 1: file order)")
     # One flag per config field, help and type from the field (qaccel._settings); not given: not passed on.
     add_config_flags(parser.add_argument_group("QSDP settings (--method qsdp; QSDPConfig)"), "qsdp_", QSDPConfig)
     add_config_flags(
@@ -153,15 +157,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def data_source(args: argparse.Namespace, max_seq_length: int) -> DataSource | None:
-    """The user's dataset from the flags, or ``None`` (the recipe's own data)."""
-    if args.dataset_name is None and args.train_file is None:
-        for flag in ("dataset_config_name", "dataset_revision", "validation_file", "text_column", "text_pair_column", "label_column", "validation_split_percentage"):
-            if getattr(args, flag) is not None:
-                raise UsageError(f"--{flag}: applies to a dataset given with --dataset_name or --train_file")
+def data_source(args: argparse.Namespace, max_seq_length: int, recipe_source: DataSource | None = None) -> DataSource | None:
+    """The run's dataset: the recipe's ``datasets`` source with the flags given on top, one from the
+    flags alone, or ``None`` (the recipe's built-in data).
+
+    Each flag overrides its setting; ``--dataset_name`` or ``--train_file`` names another place, and
+    then replaces the recipe's whole location (path, config, revision, files) while its splits and
+    columns still apply.
+    """
+    # Flags not given are None (store_true flags: False); each DataSource field is a flag of its name.
+    flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(DataSource) if f.name != "max_seq_length"}
+    given = {name: value for name, value in flags.items() if value is not None and value is not False}  # identity: 0 is a value
+    relocated = "dataset_name" in given or "train_file" in given
+    if recipe_source is None and not relocated:
+        if given:
+            raise UsageError(f"--{next(iter(given))}: applies to a dataset given with --dataset_name or --train_file (or a recipe with dataset.name: datasets)")
         return None
-    names = [f.name for f in dataclasses.fields(DataSource) if f.name != "max_seq_length"]
-    return DataSource(**{name: getattr(args, name) for name in names}, max_seq_length=max_seq_length)
+    settings = {} if recipe_source is None else dataclasses.asdict(recipe_source)
+    if relocated:
+        settings = {name: value for name, value in settings.items() if name not in SOURCE_LOCATION}
+    return DataSource(**{**settings, **given, "max_seq_length": max_seq_length})
 
 
 def resolve_recipe(args: argparse.Namespace) -> tuple[Recipe, DataSource | None]:
@@ -172,7 +187,7 @@ def resolve_recipe(args: argparse.Namespace) -> tuple[Recipe, DataSource | None]
         return recipe, data_source(args, recipe.dataset.seq_len)
     recipe = load_recipe(args.recipe)
     seq_len = args.max_seq_length or recipe.dataset.seq_len
-    source = data_source(args, seq_len)
+    source = data_source(args, seq_len, recipe.dataset.source)
     task = args.task or recipe.task
     if task != recipe.task and source is None:
         raise UsageError(f"--task {task}: recipe {recipe.name!r} trains {recipe.task} on {recipe.dataset.name}; another task needs your dataset (--dataset_name or --train_file)")
@@ -180,7 +195,7 @@ def resolve_recipe(args: argparse.Namespace) -> tuple[Recipe, DataSource | None]
     return dataclasses.replace(
         recipe,
         task=task,
-        dataset=dataclasses.replace(recipe.dataset, seq_len=seq_len),
+        dataset=dataclasses.replace(recipe.dataset, seq_len=seq_len, source=source if recipe.dataset.source is not None else None),
         training=dataclasses.replace(recipe.training, mlm_probability=mlm),
     ), source
 
@@ -277,6 +292,7 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
     # A damaged checkpoint, or one of another model or method, is refused before any collective.
     saved = open_checkpoint(inputs.resume_from)  # names a missing, truncated or altered file before anything loads
     warnings = check_resume(saved, inputs.run_state(saved["step"], 0, None))
+    check_stream_resume(inputs.resume_from, streaming=source is not None and source.streaming, world_size=inputs.world_size)
     return dataclasses.replace(inputs, saved=saved, resume_warnings=warnings)
 
 
@@ -310,10 +326,13 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
         else:
             data = load_user_data(inputs.data_source, recipe.task, tokenizer, seed=cfg["seed"], mlm_probability=recipe.training.mlm_probability or 0.15)
     model = load_model(recipe, tokenizer, model_source, label_names=data.label_names)  # id2label reaches the checkpoint's config
+    # A stream (--streaming) is already this rank's share, shuffled, and has no length: it is not
+    # prepared (Accelerate would dispatch an iterable's batches from rank 0) and reads in this process.
+    streaming = inputs.data_source is not None and inputs.data_source.streaming
     # The loader gets its own generator: creating an iterator then draws its base seed from it, not
     # from the global RNG that dropout uses, so a resumed run's new iterator cannot shift dropout.
     train_loader = DataLoader(
-        data.train, batch_size=cfg["per_device_batch_size"], shuffle=True, drop_last=True,
+        data.train, batch_size=cfg["per_device_batch_size"], shuffle=not streaming, drop_last=True,
         # Masked-LM masks drawn per batch (not from the global RNG's position): exact resumes.
         collate_fn=BatchSeededCollator(data.collator, cfg["seed"]),
         generator=torch.Generator().manual_seed(cfg["seed"]),
@@ -329,7 +348,10 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
         num_training_steps=cfg["max_steps"] * accelerator.num_processes,
     )
     # FSDP2 needs the model and its optimizer in one prepare call.
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
+    if streaming:
+        model, optimizer, eval_loader, scheduler = accelerator.prepare(model, optimizer, eval_loader, scheduler)
+    else:
+        model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
     meter_stock_ddp(accelerator, model, plan)  # a stock DDP baseline's bytes are counted too
     metric = None
     if recipe.task == "sequence-classification":  # F1 of class 1 for two-class pairs, as GLUE reports MRPC
@@ -341,6 +363,8 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
         for warning in inputs.resume_warnings:
             accelerator.print(f"resume: {warning}")
         accelerator.load_state(str(resume_from))
+        if streaming:  # the stream continues at the block after the last one trained on
+            data.train.load_state_dict(read_stream_state(resume_from, accelerator.process_index))
         completed_steps, wire_total = saved["step"], saved["wire_bytes_total"]
         last_eval = saved.get("metrics")
         accelerator.print(f"resumed from {resume_from} at step {completed_steps}")
@@ -353,7 +377,11 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
     )
 
     def save(step: int) -> None:
+        stream_states = gather_object([data.train.state_dict()]) if streaming else None  # every rank's position, to the main one
+
         def write_extra(folder: Path) -> None:
+            if stream_states is not None:
+                write_stream_state(folder, stream_states)
             save_checkpoint_metadata(
                 folder,
                 run_state=run_state(step, wire_total, last_eval),
@@ -371,9 +399,9 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
         f"{cfg['per_device_batch_size']} x {cfg['gradient_accumulation_steps']} x {accelerator.num_processes} sequences"
     )
     # The data order is a function of (seed, epoch): a resumed run skips the batches already seen.
-    batches_per_epoch = len(train_loader)
+    # A stream has no length: it never ends (it starts its next epoch itself) and resumes from its state.
     micro_done = completed_steps * cfg["gradient_accumulation_steps"]
-    epoch, skip = divmod(micro_done, batches_per_epoch)
+    epoch, skip = (0, 0) if streaming else divmod(micro_done, len(train_loader))
     progress = tqdm(total=cfg["max_steps"], initial=completed_steps, disable=not accelerator.is_main_process, desc="train")
     if args.eval_on_start and completed_steps == 0:  # the curve's starting point, as Trainer's eval_on_start
         last_eval = evaluate_model(accelerator, model, eval_loader, recipe.task, seed=cfg["seed"], metric=metric)
@@ -384,8 +412,11 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
     model.train()
     step_losses, step_start = [], time.perf_counter()
     while completed_steps < cfg["max_steps"]:
-        train_loader.set_epoch(epoch)
-        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        if streaming:
+            loader = (send_to_device(batch, accelerator.device) for batch in train_loader)
+        else:
+            train_loader.set_epoch(epoch)
+            loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         skip = 0
         for batch in loader:
             faults.step = completed_steps + 1

@@ -15,6 +15,7 @@ RUN_STATE_FILE = "qaccel_state.json"
 MODEL_FILES_DIR = "hf_model"
 #: QSDP's seed schedule (main process), JSON
 QSDP_STATE_FILE = "qaccel_qsdp.json"
+STREAM_STATE_FILE = "qaccel_stream_state.json"  # a --streaming run: [rank 0's stream position, rank 1's, ...]
 #: a 1-bit optimizer's per-rank state (every rank), ``torch.save`` of tensors and plain values
 ONEBIT_RANK_FILE = "qaccel_zoadam_rank{rank}.pt"
 _PARTIAL_SUFFIX = ".partial"

@@ -28,6 +28,9 @@ Tasks, as Hugging Face's ``run_clm.py`` / ``run_mlm.py`` / ``run_glue.py`` prepa
 
 Every ``map`` carries a fingerprint from the raw table's, the tokenizer's digest and the settings,
 so the datasets cache is reused by the other processes and by the next run.
+
+With ``streaming`` (language models only) nothing is converted or cached: ``user_stream`` reads,
+shuffles, shards, tokenizes and packs on the fly, and resumes at the same block.
 """
 
 from __future__ import annotations
@@ -79,6 +82,13 @@ class DataSource:
         validation_split_percentage: carve this percentage (0 < p < 100) of the train split out as
             the validation set, with the run's seed.
         max_seq_length: tokens per example (classification: truncation) or per block (LM).
+        max_eval_samples: evaluate on at most this many examples (blocks for LMs), the first ones
+            of the validation set (default: all; streaming: 1000, the first blocks of the stream).
+        streaming: read the train split as a stream (``load_dataset(..., streaming=True)``):
+            causal-lm and masked-lm only; see ``qaccel.zoo.user_stream``. Refuses
+            ``validation_split_percentage`` (a stream has no rows to hold out).
+        streaming_shuffle_buffer: documents in the stream's shuffle buffer (with ``streaming``
+            only; default ``DEFAULT_SHUFFLE_BUFFER``, 10000; 1 keeps the file order).
     """
 
     dataset_name: str | None = None
@@ -93,6 +103,9 @@ class DataSource:
     label_column: str | None = None
     validation_split_percentage: float | None = None
     max_seq_length: int = 128
+    max_eval_samples: int | None = None
+    streaming: bool = False
+    streaming_shuffle_buffer: int | None = None
 
     def __post_init__(self) -> None:
         if (self.dataset_name is None) == (self.train_file is None):
@@ -106,6 +119,17 @@ class DataSource:
             raise ValueError(f"--validation_split_percentage={pct}: must be a number in (0, 100)")
         if self.max_seq_length < 8:
             raise ValueError(f"--max_seq_length={self.max_seq_length}: must be >= 8")
+        if self.max_eval_samples is not None and self.max_eval_samples < 1:
+            raise ValueError(f"--max_eval_samples={self.max_eval_samples}: must be >= 1")
+        if not self.streaming and self.streaming_shuffle_buffer is not None:
+            raise ValueError(f"--streaming_shuffle_buffer={self.streaming_shuffle_buffer}: applies with --streaming only")
+        if self.streaming_shuffle_buffer is not None and self.streaming_shuffle_buffer < 1:
+            raise ValueError(f"--streaming_shuffle_buffer={self.streaming_shuffle_buffer}: must be >= 1 (1: no shuffling)")
+        if self.streaming and pct is not None:
+            raise ValueError(
+                f"--validation_split_percentage={pct} with --streaming: a stream has no rows to hold out; "
+                "give a validation split (--validation_split) or --validation_file, evaluated on its first --max_eval_samples blocks"
+            )
 
     @property
     def kind(self) -> str:
@@ -170,8 +194,11 @@ def _builder(path: str, flag: str) -> str:
     return FILE_BUILDERS[suffix]
 
 
-def _load_dict(source: DataSource) -> datasets.DatasetDict:
+def _load_dict(source: DataSource) -> datasets.DatasetDict | datasets.IterableDatasetDict:
+    """The dataset's splits; with ``source.streaming`` as ``IterableDataset``s (nothing converted or cached)."""
     import datasets
+
+    streaming = source.streaming
 
     kind = source.kind
     if kind == "files":
@@ -181,15 +208,18 @@ def _load_dict(source: DataSource) -> datasets.DatasetDict:
         builders = {flag: _builder(path, f"--{flag}_file") for flag, path in files.items()}
         if len(set(builders.values())) > 1:
             raise ValueError(f"--train_file and --validation_file: must be of one format, got {builders['train']} and {builders['validation']}")
-        return datasets.load_dataset(builders["train"], data_files={k: str(Path(v).expanduser()) for k, v in files.items()})
+        return datasets.load_dataset(builders["train"], data_files={k: str(Path(v).expanduser()) for k, v in files.items()}, streaming=streaming)
     if kind == "saved":
         loaded = datasets.load_from_disk(str(Path(source.dataset_name).expanduser()))
-        return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
-    return datasets.load_dataset(source.dataset_name, source.dataset_config_name, revision=source.dataset_revision)
+        tables = loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
+        return datasets.IterableDatasetDict({name: table.to_iterable_dataset() for name, table in tables.items()}) if streaming else tables
+    return datasets.load_dataset(source.dataset_name, source.dataset_config_name, revision=source.dataset_revision, streaming=streaming)
 
 
 def load_raw_splits(source: DataSource, *, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
     """The raw train and validation tables of ``source`` (columns as the data has them).
+
+    With ``source.streaming`` they are ``datasets.IterableDataset``s.
 
     Raises:
         ValueError: a missing file or split (naming the splits there are).
@@ -260,8 +290,15 @@ def check_data_source(source: DataSource, task: str) -> None:
         RuntimeError: a Hub id while offline or with the Hub unreachable (naming HF_HUB_OFFLINE /
             HF_DATASETS_OFFLINE and how to pass local data).
     """
+    if source.streaming and task == "sequence-classification":
+        raise NotImplementedError("--streaming: for --task causal-lm and masked-lm; sequence-classification data is loaded whole (drop --streaming)")
     if source.kind == "hub":
         _check_hub(source)
+        return
+    if source.streaming:  # the first rows only: a corpus is never converted whole
+        from .user_stream import check_stream
+
+        check_stream(source, task)
         return
     train, validation = load_raw_splits(source, seed=0)
     roles = _columns(source, task, train.features)
@@ -308,11 +345,11 @@ def _classification(table: datasets.Dataset, roles: dict[str, str], label_ids: d
     return table.map(encode, batched=True, remove_columns=table.column_names, new_fingerprint=fingerprint, desc="tokenizing")
 
 
-def _language_model(table: datasets.Dataset, text: str, tokenizer, block: int, masked: bool, fingerprint: str) -> datasets.Dataset:
+def _group_texts(text: str, tokenizer, block: int, masked: bool) -> Any:
+    """run_clm's ``group_texts``: a batched ``map`` function packing a batch of texts into blocks."""
     from .data import _tokenize_documents, pack_blocks
 
     special = sorted(set(tokenizer.all_special_ids))
-    table = table.filter(lambda t: bool(t), input_columns=text, new_fingerprint=fingerprint + "-nonempty")
 
     def group_texts(batch: dict[str, list]) -> dict[str, Any]:
         blocks = pack_blocks(_tokenize_documents(batch[text], tokenizer), block)  # (blocks, block)
@@ -323,26 +360,45 @@ def _language_model(table: datasets.Dataset, text: str, tokenizer, block: int, m
             rows["labels"] = rows["input_ids"]
         return rows
 
+    return group_texts
+
+
+def _language_model(table: datasets.Dataset, text: str, tokenizer, block: int, masked: bool, fingerprint: str) -> datasets.Dataset:
+    table = table.filter(lambda t: bool(t), input_columns=text, new_fingerprint=fingerprint + "-nonempty")
+    group_texts = _group_texts(text, tokenizer, block, masked)
     return table.map(
         group_texts, batched=True, batch_size=_GROUP_BATCH, remove_columns=table.column_names, new_fingerprint=fingerprint, desc=f"tokenizing and packing into blocks of {block}"
     )
+
+
+def _collator(task: str, tokenizer, mlm_probability: float) -> Any:
+    from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, default_data_collator
+
+    if task == "causal-lm":
+        return default_data_collator  # run_clm's choice: blocks are full, labels = input_ids
+    if task == "masked-lm":
+        return DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability)
+    return DataCollatorWithPadding(tokenizer)
 
 
 def load_user_data(source: DataSource, task: str, tokenizer: PreTrainedTokenizerBase, *, seed: int, mlm_probability: float = 0.15) -> DataSplits:
     """The train and eval sets of ``source`` for ``task``, tokenized, in torch format, and their collator.
 
     Call it under ``accelerator.main_process_first()`` in a multi-process run, so the other
-    processes reuse the main one's caches.
+    processes reuse the main one's caches. With ``source.streaming``, ``train`` is this rank's
+    share of the stream (``user_stream.StreamingBlocks``), ``eval`` the first validation blocks.
 
     Raises:
         ValueError: a missing split or column, or too little text for one block.
         TypeError: labels that are neither integers, strings nor a ``ClassLabel``.
     """
-    from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, default_data_collator
-
     from .data import DataSplits
     from .tokenizer import tokenizer_digest
 
+    if source.streaming:
+        from .user_stream import load_stream
+
+        return load_stream(source, task, tokenizer, seed=seed, mlm_probability=mlm_probability)
     train_raw, eval_raw = load_raw_splits(source, seed=seed)
     roles = _columns(source, task, train_raw.features)
     digest = tokenizer_digest(tokenizer)
@@ -359,14 +415,11 @@ def load_user_data(source: DataSource, task: str, tokenizer: PreTrainedTokenizer
     for name, table, raw in (("train", train, train_raw), ("validation", evaluation, eval_raw)):
         if len(table) == 0:
             raise ValueError(f"the {name} set of {source.train_file or source.dataset_name!r}: {len(raw)} rows give no example of {block} tokens; add text or lower --max_seq_length")
+    if source.max_eval_samples is not None:  # run_clm's --max_eval_samples: the first ones
+        evaluation = evaluation.select(range(min(source.max_eval_samples, len(evaluation))))
     train.set_format("torch")
     evaluation.set_format("torch")
-    if task == "causal-lm":
-        collator = default_data_collator  # run_clm's choice: blocks are full, labels = input_ids
-    elif task == "masked-lm":
-        collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability)
-    else:
-        collator = DataCollatorWithPadding(tokenizer)
+    collator = _collator(task, tokenizer, mlm_probability)
     info = {
         "dataset": source.hub_id or source.train_file or source.dataset_name,
         "columns": roles,

@@ -42,7 +42,8 @@ class Key:
         default: the value when the key is absent; ``REQUIRED`` makes it mandatory.
         nullable: whether ``null`` is allowed.
         choices: the allowed values, if restricted.
-        minimum, maximum: inclusive bounds for numbers; ``above`` makes the minimum exclusive.
+        minimum, maximum: inclusive bounds for numbers; ``above`` makes the minimum exclusive,
+            ``below`` the maximum.
     """
 
     name: str
@@ -53,6 +54,7 @@ class Key:
     minimum: float | None = None
     maximum: float | None = None
     above: bool = False
+    below: bool = False
 
     def allowed(self) -> str:
         if self.choices is not None:
@@ -62,7 +64,7 @@ class Key:
             if self.minimum is not None:
                 text += f" {'>' if self.above else '>='} {self.minimum:g}"
             if self.maximum is not None:
-                text += f"{',' if self.minimum is not None else ''} <= {self.maximum:g}"
+                text += f"{',' if self.minimum is not None else ''} {'<' if self.below else '<='} {self.maximum:g}"
         return text + (" or null" if self.nullable else "")
 
 
@@ -109,7 +111,7 @@ def _check_value(where: str, path: str, key: Key, value: Any) -> Any:
         fail(where, path, value, key.allowed())
     if key.minimum is not None and (value < key.minimum or (key.above and value == key.minimum)):
         fail(where, path, value, key.allowed())
-    if key.maximum is not None and value > key.maximum:
+    if key.maximum is not None and (value > key.maximum or (key.below and value == key.maximum)):
         fail(where, path, value, key.allowed())
     return value
 

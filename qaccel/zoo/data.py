@@ -169,6 +169,11 @@ def load_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> DataSplits:
     from .tokenizer import tokenizer_digest
 
     spec = recipe.dataset
+    if spec.source is not None:  # `dataset: {name: datasets, ...}`: files, folders or a Hub id, through datasets
+        from .user_data import load_user_data
+
+        mlm_probability = recipe.training.mlm_probability or 0.15
+        return load_user_data(spec.source, recipe.task, tokenizer, seed=recipe.training.seed, mlm_probability=mlm_probability)
     source = text_source(spec.name, spec.data_files)
     label_names = None
     if recipe.task == "sequence-classification":

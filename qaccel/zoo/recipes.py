@@ -4,7 +4,9 @@ A recipe file is ``model_cards/<name>.md``: YAML between two ``---`` lines (the 
 here key by key), then prose that becomes the start of the published model card. ``docs/zoo.md``
 documents every key. The settings are frozen dataclasses; method sections stay plain dicts (so
 they print and serialise as written) but are validated by the real config classes
-(``QSDPConfig``, ``ZeroOneAdamConfig``, ``OneBitAdamConfig``).
+(``QSDPConfig``, ``ZeroOneAdamConfig``, ``OneBitAdamConfig``). A ``dataset:`` section with
+``name: datasets`` names any source the ``datasets`` library reads (a Hub id, local files or
+folders) and becomes a ``DataSource``, checked here without the network or the files.
 
 Where the cards are: ``$QACCEL_MODEL_CARDS`` if set, else the ``model_cards/`` that ships with qaccel
 (``qaccel._resources``: inside an installed wheel, or at the top of a source checkout).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +25,14 @@ from typing import Any
 from .._resources import MODEL_CARDS_ENV, launch_config_names, launch_config_path, model_cards_dir
 from .._settings import load_yaml, split_front_matter
 from ._schema import Key, check_section, fail
+from .user_data import FILE_BUILDERS, DataSource
 
 __all__ = [
     "TASKS",
     "DATASETS",
+    "SOURCE_DATASET",
+    "SOURCE_KEYS",
+    "SOURCE_LOCATION",
     "METHODS",
     "MIXED_PRECISIONS",
     "CARDS_ENV",
@@ -45,12 +52,19 @@ __all__ = [
 ]
 
 TASKS = ("causal-lm", "masked-lm", "sequence-classification")
+SOURCE_DATASET = "datasets"  # any source the datasets library reads, held as a DataSource
 # dataset -> the tasks it can feed
 DATASETS = {
     "stdlib-text": ("causal-lm", "masked-lm"),
     "local-text": ("causal-lm", "masked-lm"),
     "stdlib-topics": ("sequence-classification",),
+    SOURCE_DATASET: TASKS,
 }
+# dataset.<key> of a `datasets` section -> the DataSource field (the training script's flag --<field>);
+# the other keys carry the field's own name.
+SOURCE_KEYS = {"path": "dataset_name", "config_name": "dataset_config_name", "revision": "dataset_revision", "seq_len": "max_seq_length"}
+# Where the data is: replaced as a whole when the flags name another place (--dataset_name, --train_file).
+SOURCE_LOCATION = ("dataset_name", "dataset_config_name", "dataset_revision", "train_file", "validation_file")
 METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "none")
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 TOKENIZER_KINDS = ("bpe", "wordpiece")
@@ -78,13 +92,35 @@ class TokenizerSpec:
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """``dataset:``. ``data_files`` only for ``local-text``."""
+    """``dataset:``: a built-in dataset, or (``name: datasets``) a ``DataSource``.
+
+    ``eval_fraction`` and ``max_train_examples`` apply to the built-in datasets, ``data_files``
+    to ``local-text`` only; ``source`` is set exactly for ``datasets``, its ``max_seq_length``
+    equal to ``seq_len``.
+    """
 
     name: str
     seq_len: int
-    eval_fraction: float
+    eval_fraction: float | None  # None for `datasets` (its validation data: a split, file or percentage)
     max_train_examples: int | None = None
     data_files: tuple[str, ...] = ()
+    source: DataSource | None = None
+
+    def __post_init__(self) -> None:
+        if (self.name == SOURCE_DATASET) != (self.source is not None):
+            raise ValueError(f"DatasetSpec.source: set exactly for name={SOURCE_DATASET!r}, got name={self.name!r} with source={self.source!r}")
+        if self.source is not None and self.source.max_seq_length != self.seq_len:
+            raise ValueError(f"DatasetSpec.source.max_seq_length={self.source.max_seq_length}: must equal seq_len={self.seq_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as a card holds it (defaults filled in), as JSON values."""
+        if self.source is None:
+            data = dataclasses.asdict(self)
+            del data["source"]
+            data["data_files"] = list(self.data_files)
+            return data
+        card_keys = [key.name for key in _SOURCE if key.name != "name"]
+        return {"name": self.name, **{key: getattr(self.source, SOURCE_KEYS.get(key, key)) for key in card_keys}}
 
 
 @dataclass(frozen=True)
@@ -144,7 +180,7 @@ class Recipe:
         """The resolved settings (defaults filled in) as the front matter would hold them."""
         data = self.to_dict()
         del data["card_body"], data["path"]
-        if not data["dataset"]["data_files"]:
+        if not data["dataset"].get("data_files", True):
             del data["dataset"]["data_files"]
         return data
 
@@ -152,7 +188,7 @@ class Recipe:
         """Everything as JSON-ready values (tuples become lists, the path a string)."""
         data = dataclasses.asdict(self)
         data["path"] = str(self.path)
-        data["dataset"]["data_files"] = list(self.dataset.data_files)
+        data["dataset"] = self.dataset.to_dict()
         return data
 
     def launch_config_path(self) -> Path:
@@ -241,6 +277,25 @@ _DATASET = [
     Key("max_train_examples", "int", default=None, nullable=True, minimum=1),
     Key("data_files", "list[str]", default=[]),
 ]
+# name: datasets -- the DataSource fields (docs/zoo.md: which flag each key mirrors)
+_SOURCE = [
+    Key("name", "str", choices=tuple(DATASETS)),
+    Key("seq_len", "int", minimum=8, maximum=1 << 20),
+    Key("path", "str", default=None, nullable=True),
+    Key("config_name", "str", default=None, nullable=True),
+    Key("revision", "str", default=None, nullable=True),
+    Key("train_split", "str", default="train"),
+    Key("validation_split", "str", default="validation"),
+    Key("train_file", "str", default=None, nullable=True),
+    Key("validation_file", "str", default=None, nullable=True),
+    Key("text_column", "str", default=None, nullable=True),
+    Key("text_pair_column", "str", default=None, nullable=True),
+    Key("label_column", "str", default=None, nullable=True),
+    Key("validation_split_percentage", "float", default=None, nullable=True, minimum=0.0, above=True, maximum=100.0, below=True),
+    Key("max_eval_samples", "int", default=None, nullable=True, minimum=1),
+    Key("streaming", "bool", default=False),
+    Key("streaming_shuffle_buffer", "int", default=None, nullable=True, minimum=1),
+]
 _TRAINING = [
     Key("max_steps", "int", minimum=1),
     Key("per_device_batch_size", "int", minimum=1),
@@ -278,7 +333,7 @@ def recipe_from_dict(data: Any, *, card_body: str = "", path: Path | str = "<dic
         fail(where, "name", top["name"], "lower-case letters, digits, '.' and '-', starting with a letter or digit")
     model = ModelSpec(**check_section(where, "model", top["model"], _MODEL))
     tokenizer = TokenizerSpec(**check_section(where, "tokenizer", top["tokenizer"], _TOKENIZER))
-    dataset = DatasetSpec(**check_section(where, "dataset", top["dataset"], _DATASET))
+    dataset = _dataset(where, top["dataset"], top["task"])
     training = _training(where, top["training"], top["task"])
     method_values = check_section(where, "method", top["method"], _METHOD)
     for section in ("zero_one_adam", "onebit_adam"):  # YAML lists -> tuples, as the config fields are typed
@@ -286,8 +341,7 @@ def recipe_from_dict(data: Any, *, card_body: str = "", path: Path | str = "<dic
     method = MethodSpec(**method_values)
     launch = LaunchSpec(**check_section(where, "launch", top["launch"], _LAUNCH))
     _check_model(where, model)
-    _check_tokenizer(where, tokenizer, model)
-    _check_dataset(where, dataset, top["task"])
+    _check_tokenizer(where, tokenizer, model, dataset)
     _check_method(where, method)
     _check_launch(where, launch)
     for key, value in top["expected"].items():
@@ -337,8 +391,10 @@ def _check_model(where: str, model: ModelSpec) -> None:
         raise ValueError(f"{where}: model.config is not a valid {model_type} config: {err}") from None
 
 
-def _check_tokenizer(where: str, tokenizer: TokenizerSpec, model: ModelSpec) -> None:
+def _check_tokenizer(where: str, tokenizer: TokenizerSpec, model: ModelSpec, dataset: DatasetSpec) -> None:
     trained = tokenizer.name_or_path is None and model.name_or_path is None
+    if trained and dataset.source is not None:  # tokenizers are trained on the built-in corpora only
+        raise ValueError(f"{where}: tokenizer: with dataset.name {SOURCE_DATASET!r}, set tokenizer.name_or_path (or a pretrained model.name_or_path); a tokenizer is trained here only on the built-in datasets ({', '.join(n for n in DATASETS if n != SOURCE_DATASET)})")
     if trained and (tokenizer.kind is None or tokenizer.vocab_size is None):
         raise ValueError(f"{where}: tokenizer: with no pretrained tokenizer (name_or_path null, model built from config), kind ({', '.join(TOKENIZER_KINDS)}) and vocab_size must be set to train one")
     if not trained and (tokenizer.kind is not None or tokenizer.vocab_size is not None):
@@ -346,11 +402,63 @@ def _check_tokenizer(where: str, tokenizer: TokenizerSpec, model: ModelSpec) -> 
         raise ValueError(f"{where}: tokenizer: kind and vocab_size only apply to a tokenizer trained here; this recipe uses the pretrained {source!r}: set them to null")
 
 
-def _check_dataset(where: str, dataset: DatasetSpec, task: str) -> None:
-    if task not in DATASETS[dataset.name]:
-        fail(where, "dataset.name", dataset.name, f"a dataset for task {task!r}: " + ", ".join(n for n, tasks in DATASETS.items() if task in tasks))
-    if (dataset.name == "local-text") != bool(dataset.data_files):
-        raise ValueError(f"{where}: dataset.data_files: required (a list of files or globs) for local-text, and only for it")
+def _dataset(where: str, section: Any, task: str) -> DatasetSpec:
+    is_source = isinstance(section, Mapping) and section.get("name") == SOURCE_DATASET
+    values = check_section(where, "dataset", section, _SOURCE if is_source else _DATASET)
+    if task not in DATASETS[values["name"]]:
+        fail(where, "dataset.name", values["name"], f"a dataset for task {task!r}: " + ", ".join(n for n, tasks in DATASETS.items() if task in tasks))
+    if not is_source:
+        dataset = DatasetSpec(**values)
+        if (dataset.name == "local-text") != bool(dataset.data_files):
+            raise ValueError(f"{where}: dataset.data_files: required (a list of files or globs) for local-text, and only for it")
+        return dataset
+    _check_source(where, section, values, task)
+    settings = {SOURCE_KEYS.get(key, key): value for key, value in values.items() if key != "name"}
+    try:  # the checks above name the recipe keys; this is the last word on anything they missed
+        source = DataSource(**settings)
+    except ValueError as err:
+        raise ValueError(f"{where}: dataset: {err} (the section's keys are these flags' names; path is --dataset_name, config_name --dataset_config_name, revision --dataset_revision, seq_len --max_seq_length)") from None
+    return DatasetSpec(name=SOURCE_DATASET, seq_len=values["seq_len"], eval_fraction=None, source=source)
+
+
+def _check_source(where: str, section: dict[str, Any], values: dict[str, Any], task: str) -> None:
+    """The rules of a ``datasets`` section that need no network and no file: location, columns, task."""
+    if (values["path"] is None) == (values["train_file"] is None):
+        raise ValueError(f"{where}: dataset: set exactly one of path (a Hub dataset id, a save_to_disk folder or a folder laid out like a Hub dataset repository) and train_file (a local file)")
+    if values["train_file"] is not None:
+        given = [key for key in ("config_name", "revision", "train_split", "validation_split") if key in section]
+        if given:
+            fail(where, f"dataset.{given[0]}", section[given[0]], "absent with dataset.train_file (it applies to dataset.path; local files have the splits train and, with validation_file, validation)")
+        suffixes = {}
+        for key in ("train_file", "validation_file"):
+            if values[key] is not None:
+                suffixes[key] = Path(values[key]).suffix.lower()
+                if suffixes[key] not in FILE_BUILDERS:
+                    fail(where, f"dataset.{key}", values[key], "a file of a format datasets reads: " + ", ".join(FILE_BUILDERS))
+        if len({FILE_BUILDERS[suffix] for suffix in suffixes.values()}) > 1:
+            fail(where, "dataset.validation_file", values["validation_file"], f"of the same format as dataset.train_file ({values['train_file']!r})")
+    elif values["validation_file"] is not None:
+        fail(where, "dataset.validation_file", values["validation_file"], "null with dataset.path (pick a split of it with dataset.validation_split)")
+    if values["validation_split_percentage"] is not None:
+        for key in ("validation_file", "validation_split"):
+            if key in section:
+                fail(where, f"dataset.{key}", section[key], "absent with dataset.validation_split_percentage (the validation set is carved out of the train split)")
+    classify = task == "sequence-classification"
+    for key in ("text_pair_column", "label_column"):
+        if values[key] is not None and not classify:
+            fail(where, f"dataset.{key}", values[key], f"null for task {task!r} (it applies to sequence-classification)")
+    columns = [(key, values[key]) for key in ("text_column", "text_pair_column", "label_column") if values[key] is not None]
+    for i, (key, column) in enumerate(columns):
+        for other, other_column in columns[:i]:
+            if column == other_column:
+                fail(where, f"dataset.{key}", column, f"a column other than dataset.{other}'s")
+    if values["streaming"]:
+        if classify:
+            fail(where, "dataset.streaming", True, "false for task 'sequence-classification' (streaming is for causal-lm and masked-lm: classification data is loaded whole)")
+        if values["validation_split_percentage"] is not None:
+            fail(where, "dataset.validation_split_percentage", values["validation_split_percentage"], "null with dataset.streaming (a stream has no rows to hold out: name a validation_split or validation_file)")
+    elif values["streaming_shuffle_buffer"] is not None:
+        fail(where, "dataset.streaming_shuffle_buffer", values["streaming_shuffle_buffer"], "null without dataset.streaming: true")
 
 
 def _check_method(where: str, method: MethodSpec) -> None:

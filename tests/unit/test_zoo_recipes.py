@@ -14,6 +14,8 @@ from qaccel.zoo.recipes import model_cards_dir, parse_card, recipe_from_dict
 
 SHIPPED = [
     "bert-base",
+    "bert-base-mrpc-qsdp",
+    "bert-base-mrpc-zero-one-adam",
     "bert-large",
     "bert-tiny",
     "gpt2-1.3b",
@@ -254,3 +256,183 @@ def test_default_cards_folder_in_a_checkout_is_the_one_beside_the_package():
     import qaccel
 
     assert model_cards_dir() == Path(qaccel.__file__).resolve().parents[1] / "model_cards"
+
+
+# -- dataset sections that name a `datasets` source ------------------------------------------
+
+# The card key -> the DataSource field / training-script flag, spelled out here as docs/zoo.md states it.
+CARD_TO_SOURCE = {"path": "dataset_name", "config_name": "dataset_config_name", "revision": "dataset_revision", "seq_len": "max_seq_length"}
+# GLUE MRPC on the Hub (nyu-mll/glue, config mrpc), from its dataset card: features and split sizes.
+MRPC_FEATURES = {"sentence1": "string", "sentence2": "string", "label": ("not_equivalent", "equivalent"), "idx": "int32"}
+MRPC_SPLITS = {"train": 3668, "validation": 408, "test": 1725}
+MRPC_RECIPES = ["bert-base-mrpc-qsdp", "bert-base-mrpc-zero-one-adam"]
+
+
+@pytest.fixture
+def mrpc() -> dict:
+    return _front_matter("bert-base-mrpc-qsdp")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_dataset_section_validates_offline_and_matches_its_yaml(name, monkeypatch):
+    import huggingface_hub
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("loading a recipe must not reach the Hub")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", no_network)
+    recipe = load_recipe(name)
+    raw = _front_matter(name)["dataset"]
+    section = recipe.front_matter()["dataset"]
+    for key, value in raw.items():
+        assert section[key] == value, (name, key)
+    if raw["name"] != "datasets":
+        assert recipe.dataset.source is None and recipe.dataset.eval_fraction == raw["eval_fraction"]
+        return
+    source = recipe.dataset.source
+    assert recipe.dataset.eval_fraction is None and source.max_seq_length == recipe.dataset.seq_len == raw["seq_len"]
+    for key, value in raw.items():
+        if key != "name":
+            assert getattr(source, CARD_TO_SOURCE.get(key, key)) == value, (name, key)
+
+
+@pytest.mark.parametrize("name", MRPC_RECIPES)
+def test_mrpc_recipes_use_glue_mrpc_columns_and_bert_glue_hyperparameters(name):
+    recipe = load_recipe(name)
+    source = recipe.dataset.source
+    assert recipe.task == "sequence-classification" and recipe.model.name_or_path == "google-bert/bert-base-uncased"
+    assert (source.dataset_name, source.dataset_config_name) == ("nyu-mll/glue", "mrpc")
+    assert {source.text_column, source.text_pair_column, source.label_column} <= set(MRPC_FEATURES)
+    assert MRPC_FEATURES[source.text_column] == MRPC_FEATURES[source.text_pair_column] == "string"
+    assert isinstance(MRPC_FEATURES[source.label_column], tuple)  # the ClassLabel: two classes, F1 of class 1
+    assert source.train_split in MRPC_SPLITS and source.validation_split in MRPC_SPLITS and source.validation_split != "test"
+    # BERT's GLUE recipe: lr 2e-5, batch 32, 3 epochs, 128 tokens, 10% warm-up.
+    t, n = recipe.training, recipe.launch.num_processes
+    assert t.learning_rate == 2e-5 and recipe.dataset.seq_len == 128
+    assert n * t.per_device_batch_size * t.gradient_accumulation_steps == 32
+    steps_per_epoch = MRPC_SPLITS["train"] // t.per_device_batch_size // n  # drop_last batches, dealt round-robin to n processes
+    assert t.max_steps == 3 * steps_per_epoch == 342 and t.eval_steps == steps_per_epoch
+    assert t.warmup_steps == round(0.1 * t.max_steps)
+    suffix = "_qsdp.yaml" if recipe.method.name == "qsdp" else "_ddp.yaml"  # QSDP on FSDP2, 0/1 Adam on DDP
+    assert recipe.launch.config.endswith(suffix) and recipe.launch_config_path().is_file()
+    assert "not run by the project" in recipe.expected["status"] and "has not been run by the project" in recipe.card_body
+
+
+def test_mrpc_zero_one_adam_step_counts_are_the_ones_its_card_states():
+    from qaccel.optim import StepKind, ZeroOneAdamSchedule, count_step_kinds
+
+    r = load_recipe("bert-base-mrpc-zero-one-adam")
+    z = r.method.zero_one_adam
+    keys = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
+    counts = count_step_kinds(lambda: ZeroOneAdamSchedule(**{k: z[k] for k in keys}), r.training.max_steps)
+    assert z["var_freeze_step"] == r.training.warmup_steps
+    assert (counts[StepKind.FULL], counts[StepKind.ONEBIT_GRADIENT], counts[StepKind.SYNC], counts[StepKind.LOCAL]) == (25, 9, 109, 198)
+    for number in ("25 steps", "9\n  more steps", "109 steps", "198\n  local steps"):
+        assert number in r.card_body, number
+
+
+@pytest.mark.parametrize("name", MRPC_RECIPES)
+def test_resolve_recipe_turns_the_section_into_the_runs_data_source(name, tmp_path):
+    from qaccel.train import parse_args, resolve_recipe
+
+    raw = _front_matter(name)["dataset"]
+    recipe, source = resolve_recipe(parse_args(["--recipe", name, "--output_dir", str(tmp_path)]))
+    for key, value in raw.items():
+        if key != "name":
+            assert getattr(source, CARD_TO_SOURCE.get(key, key)) == value, key
+    assert recipe.dataset.source == source and source.hub_id == raw["path"]
+    # A flag overrides its own setting only.
+    _, pinned = resolve_recipe(parse_args(["--recipe", name, "--output_dir", str(tmp_path), "--dataset_revision", "abc123", "--max_seq_length", "64", "--validation_split", "test"]))
+    assert (pinned.dataset_revision, pinned.max_seq_length, pinned.validation_split) == ("abc123", 64, "test")
+    assert (pinned.dataset_name, pinned.dataset_config_name, pinned.text_pair_column) == (raw["path"], raw["config_name"], raw["text_pair_column"])
+    # Another place (local files) replaces the whole location; the column mapping still applies.
+    _, local = resolve_recipe(parse_args(["--recipe", name, "--output_dir", str(tmp_path), "--train_file", "mrpc.csv"]))
+    assert (local.dataset_name, local.dataset_config_name, local.train_file) == (None, None, "mrpc.csv")
+    assert (local.text_column, local.text_pair_column, local.label_column) == (raw["text_column"], raw["text_pair_column"], raw["label_column"])
+
+
+def test_a_builtin_recipe_still_takes_no_column_flags_without_a_dataset(tmp_path):
+    from qaccel._errors import UsageError
+    from qaccel.train import parse_args, resolve_recipe
+
+    _, source = resolve_recipe(parse_args(["--recipe", "minilm-finetune", "--output_dir", str(tmp_path)]))
+    assert source is None
+    with pytest.raises(UsageError, match=r"--train_split: applies to a dataset given with --dataset_name or --train_file"):
+        resolve_recipe(parse_args(["--recipe", "minilm-finetune", "--output_dir", str(tmp_path), "--train_split", "fit"]))
+
+
+def test_a_datasets_section_round_trips_through_the_resolved_settings(mrpc):
+    recipe = recipe_from_dict(mrpc)
+    again = recipe_from_dict(json.loads(json.dumps(recipe.front_matter())))
+    assert again.dataset == recipe.dataset and again.front_matter() == recipe.front_matter()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"config": "mrpc"}, r"unknown key dataset\.config; valid keys of dataset: name, seq_len, path, config_name, revision"),
+        ({"seq_len": "128"}, r"dataset\.seq_len='128': must be an integer"),
+        ({"streaming": "yes"}, r"dataset\.streaming='yes': must be true or false"),
+        ({"validation_split_percentage": 100}, r"dataset\.validation_split_percentage=100\.0: must be a number > 0, < 100 or null"),
+        ({"label_column": 1}, r"dataset\.label_column=1: must be a string or null"),
+        ({"path": None}, r"dataset: set exactly one of path .* and train_file"),
+        ({"train_file": "train.csv"}, r"dataset: set exactly one of path .* and train_file"),
+        ({"path": None, "train_file": "train.csv"}, r"dataset\.config_name='mrpc': must be absent with dataset\.train_file"),
+        ({"path": None, "config_name": None, "revision": None, "train_split": None, "validation_split": None, "train_file": "train.xlsx"}, r"dataset\.train_file='train\.xlsx': must be a file of a format datasets reads: \.csv"),
+        ({"validation_file": "dev.csv"}, r"dataset\.validation_file='dev\.csv': must be null with dataset\.path"),
+        ({"validation_split_percentage": 10}, r"dataset\.validation_split='validation': must be absent with dataset\.validation_split_percentage"),
+        ({"text_pair_column": "sentence1"}, r"dataset\.text_pair_column='sentence1': must be a column other than dataset\.text_column's"),
+        ({"streaming": True}, r"dataset\.streaming=True: must be false for task 'sequence-classification'"),
+        ({"streaming_shuffle_buffer": 100}, r"dataset\.streaming_shuffle_buffer=100: must be null without dataset\.streaming"),
+        ({"eval_fraction": 0.1}, r"unknown key dataset\.eval_fraction; valid keys of dataset: name, seq_len, path"),
+    ],
+)
+def test_bad_datasets_sections_name_the_key(mrpc, changes, message):
+    for key, value in changes.items():
+        if value is None and key not in ("path",):
+            mrpc["dataset"].pop(key, None)
+        else:
+            mrpc["dataset"][key] = value
+    with pytest.raises(ValueError, match=message) as err:
+        recipe_from_dict(mrpc)
+    assert "recipe 'bert-base-mrpc-qsdp'" in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["text_pair_column", "label_column"])
+def test_a_column_mapping_must_fit_the_task(mrpc, key):
+    mrpc["task"] = "masked-lm"
+    mrpc["dataset"] = {"name": "datasets", "path": "wikimedia/wikipedia", "config_name": "20231101.en", "text_column": "text", key: "other", "seq_len": 128}
+    with pytest.raises(ValueError, match=rf"dataset\.{key}='other': must be null for task 'masked-lm' \(it applies to sequence-classification\)"):
+        recipe_from_dict(mrpc)
+    del mrpc["dataset"][key]
+    assert recipe_from_dict(mrpc).dataset.source.text_column == "text"  # the same section without it is fine
+
+
+def test_a_datasets_section_needs_a_pretrained_tokenizer(tiny):
+    tiny["dataset"] = {"name": "datasets", "path": "Skylion007/openwebtext", "seq_len": 128}
+    with pytest.raises(ValueError, match=r"tokenizer: with dataset\.name 'datasets', set tokenizer\.name_or_path"):
+        recipe_from_dict(tiny)
+
+
+def test_builtin_sections_keep_their_keys(mrpc, tiny):
+    tiny["dataset"]["path"] = "nyu-mll/glue"
+    with pytest.raises(ValueError, match=r"unknown key dataset\.path; valid keys of dataset: name, seq_len, eval_fraction, max_train_examples, data_files"):
+        recipe_from_dict(tiny)
+    mrpc["dataset"] = {"name": "stdlib-text", "seq_len": 128, "eval_fraction": 0.1}
+    with pytest.raises(ValueError, match=r"dataset\.name='stdlib-text': must be a dataset for task 'sequence-classification': stdlib-topics, datasets"):
+        recipe_from_dict(mrpc)
+
+
+def test_a_datasets_section_has_one_documented_key_per_data_source_setting(mrpc):
+    """Each DataSource field (each dataset flag) is a key of the section, and docs/zoo.md's key table lists it."""
+    import dataclasses
+    import re
+
+    from qaccel.zoo.user_data import DataSource
+
+    section = recipe_from_dict(mrpc).front_matter()["dataset"]
+    fields = {f.name for f in dataclasses.fields(DataSource)}
+    assert {CARD_TO_SOURCE.get(key, key) for key in section if key != "name"} == fields
+    table = (Path(__file__).resolve().parents[2] / "docs" / "zoo.md").read_text()
+    documented = set(re.findall(r"`dataset\.([a-z_]+)`", table))
+    assert set(section) <= documented, set(section) - documented

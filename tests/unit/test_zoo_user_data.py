@@ -192,3 +192,18 @@ def test_bad_flag_combinations():
 def test_f1_metric_matches_hand_counts(predictions, references, average, expected):
     result = load_f1_metric().compute(predictions=predictions, references=references, average=average)
     assert result["f1"] == pytest.approx(expected)
+
+
+def test_load_data_of_a_recipe_with_a_datasets_section_reads_the_users_files(tmp_path, tokenizer):
+    import dataclasses
+
+    from qaccel.zoo import load_data, load_recipe
+
+    train = _write_csv(tmp_path / "train.csv", _reviews())
+    dev = _write_csv(tmp_path / "dev.csv", [("fine work", "positive"), ("poor work", "negative")])
+    recipe = load_recipe("bert-base-mrpc-qsdp")
+    source = DataSource(train_file=str(train), validation_file=str(dev), text_column="review", label_column="sentiment", max_seq_length=8)
+    recipe = dataclasses.replace(recipe, dataset=dataclasses.replace(recipe.dataset, seq_len=8, source=source))
+    data = load_data(recipe, tokenizer)  # the zoo's entry point, as docs/zoo.md shows it
+    assert data.label_names == ["negative", "positive"] and len(data.train) == 12
+    assert data.train[0]["input_ids"].tolist() == tokenizer(POSITIVE[0], truncation=True, max_length=8)["input_ids"]

@@ -436,3 +436,36 @@ def test_a_datasets_section_has_one_documented_key_per_data_source_setting(mrpc)
     table = (Path(__file__).resolve().parents[2] / "docs" / "zoo.md").read_text()
     documented = set(re.findall(r"`dataset\.([a-z_]+)`", table))
     assert set(section) <= documented, set(section) - documented
+
+
+# -- the papers' pre-training recipes, streamed from the Hub -----------------------------------
+
+# recipe -> (Hub dataset, config, validation split, pretrained tokenizer): the QSDP paper's GPT models
+# train on C4 (docs: /work/shared/design/qsdp.md section 1); the 0/1 Adam paper's BERT on English
+# Wikipedia (BookCorpus has no clearly licensed Hub copy), which has only a train split.
+C4 = ("allenai/c4", "en", "validation", "openai-community/gpt2")
+WIKIPEDIA = ("wikimedia/wikipedia", "20231101.en", "train", "google-bert/bert-base-uncased")
+STREAMED = {"gpt2-124m": C4, "gpt2-124m-w4g4": C4, "gpt2-350m": C4, "gpt2-1.3b": C4, "bert-base": WIKIPEDIA, "bert-large": WIKIPEDIA}
+
+
+@pytest.mark.parametrize("name", sorted(STREAMED))
+def test_pretraining_recipes_stream_the_papers_corpus_with_a_pretrained_tokenizer(name, tmp_path):
+    from qaccel.train import parse_args, resolve_recipe
+
+    path, config, validation_split, tokenizer = STREAMED[name]
+    raw = _front_matter(name)
+    data, training = raw["dataset"], raw["training"]
+    assert (data["name"], data["path"], data["config_name"], data["text_column"]) == ("datasets", path, config, "text")
+    assert data["streaming"] is True and data["validation_split"] == validation_split and data["max_eval_samples"] >= 1
+    assert raw["tokenizer"] == {"name_or_path": tokenizer} and raw["model"]["name_or_path"] is None  # from config, tokenizer not trained
+    assert raw["task"] == ("causal-lm" if name.startswith("gpt2") else "masked-lm")
+    assert data["seq_len"] == (2048 if name.startswith("gpt2") else 128)  # BERT: the 128-token phase
+    # The stated token count, from the YAML's own numbers.
+    tokens = training["max_steps"] * training["per_device_batch_size"] * training["gradient_accumulation_steps"] * raw["launch"]["num_processes"] * data["seq_len"]
+    assert raw["expected"]["tokens_seen"] == tokens
+    body = (model_cards_dir() / f"{name}.md").read_text().split("---\n", 2)[2]
+    assert f"{tokens:,} tokens" in body and path in body and "has not run here" in body
+    # What a run gets: a streaming source for that corpus, and the pretrained tokenizer.
+    recipe, source = resolve_recipe(parse_args(["--recipe", name, "--output_dir", str(tmp_path)]))
+    assert (source.dataset_name, source.dataset_config_name, source.streaming, source.validation_split) == (path, config, True, validation_split)
+    assert recipe.tokenizer.name_or_path == tokenizer and recipe.tokenizer.kind is None

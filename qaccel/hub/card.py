@@ -159,8 +159,20 @@ def _eval_section(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+def _labels_section(label_names: list[str] | None) -> str:
+    if not label_names:
+        return ""
+    lines = ["## Labels", "", "The classifier's outputs, as `config.id2label` names them:", "", "| id | label |", "|---|---|"]
+    return "\n".join(lines + [f"| {i} | {name} |" for i, name in enumerate(label_names)])
+
+
 def build_model_card(
-    run_state: dict, *, model_name: str, bnb: str | None = None, weights_dtype: str | None = None
+    run_state: dict,
+    *,
+    model_name: str,
+    bnb: str | None = None,
+    weights_dtype: str | None = None,
+    label_names: list[str] | None = None,
 ) -> ModelCard:
     """The model card of an export of a checkpoint with this run state.
 
@@ -169,6 +181,7 @@ def build_model_card(
         model_name: the title and the id in the usage snippet (the Hub repo id when known).
         bnb: ``"int8"`` / ``"nf4"`` when the weights were quantized with bitsandbytes.
         weights_dtype: the dtype of full-precision weights (shown in the card).
+        label_names: a classifier's label names by id (its ``config.id2label``), listed in the card.
 
     Returns:
         A ``huggingface_hub.ModelCard``; ``card.save(path)`` writes it.
@@ -214,6 +227,7 @@ def build_model_card(
         body,
         _training_section(run_state, bnb, weights_dtype),
         _usage_section(run_state, model_name),
+        _labels_section(label_names),
         _eval_section(metrics),
         f"Trained with qaccel {run_state.get('qaccel_version')}"
         + "".join(f", {name} {version}" for name, version in sorted((run_state.get("versions") or {}).items()) if name != "qaccel")

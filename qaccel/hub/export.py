@@ -21,7 +21,7 @@ from typing import Any
 
 from .._extras import require_extra
 from .._version import __version__
-from ..checkpoint import MODEL_FILES_DIR, TASKS, atomic_write_json, install_dir, open_checkpoint, staging_dir
+from ..checkpoint import MODEL_FILES_DIR, TASKS, atomic_write_json, install_dir, open_checkpoint, read_json, staging_dir
 from ._weights import SavedWeights, find_weights
 from .card import BNB_DESCRIPTIONS, build_model_card
 
@@ -135,6 +135,12 @@ def _stamp_metadata(folder: Path, metadata: dict[str, str]) -> None:
         save_file(tensors, str(path), metadata=merged)
 
 
+def _label_names(hf_dir: Path) -> list[str]:
+    """A classifier's label names by id, from the checkpoint's ``config.json`` (``id2label``)."""
+    id2label = read_json(hf_dir / "config.json").get("id2label") or {}
+    return [id2label[key] for key in sorted(id2label, key=int)]
+
+
 def _copy_model_files(hf_dir: Path, folder: Path) -> None:
     """Tokenizer files and the run's own generation config next to the saved model."""
     for item in sorted(hf_dir.iterdir()):
@@ -226,7 +232,8 @@ def export_checkpoint(
         _stamp_metadata(staged, safetensors_metadata(run_state, bnb))
         sidecar = _sidecar(run_state, bnb, weights_dtype, checkpoint_dir)
         atomic_write_json(staged / SIDECAR_FILE, sidecar)
-        card = build_model_card(run_state, model_name=model_name or out_dir.name, bnb=bnb, weights_dtype=weights_dtype)
+        label_names = _label_names(hf_dir) if run_state["task"] == "sequence-classification" else None
+        card = build_model_card(run_state, model_name=model_name or out_dir.name, bnb=bnb, weights_dtype=weights_dtype, label_names=label_names)
         card.save(str(staged / "README.md"))
         install_dir(staged, out_dir)
     except BaseException:

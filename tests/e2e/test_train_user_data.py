@@ -61,6 +61,7 @@ def test_minilm_on_a_csv_with_string_labels_reports_accuracy_and_exports_the_lab
     config = json.loads((exported / "config.json").read_text())
     assert config["id2label"] == {"0": "thumbs-down", "1": "thumbs-up"}
     assert config["label2id"] == {"thumbs-down": 0, "thumbs-up": 1}
+    assert "| 0 | thumbs-down |\n| 1 | thumbs-up |" in (exported / "README.md").read_text()  # and the card names them
 
 
 def test_minilm_on_jsonl_sentence_pairs_reports_accuracy_and_f1(tmp_path):

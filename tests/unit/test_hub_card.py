@@ -94,3 +94,10 @@ def test_unknown_recipe_falls_back_to_the_generic_text(monkeypatch, tmp_path):
     monkeypatch.setattr(qaccel.zoo, "load_recipe", unknown, raising=False)
     card = _saved(build_model_card(_state(recipe="nope"), model_name="m"), tmp_path)
     assert "A model trained with qaccel" in card.text
+
+
+def test_a_classifier_card_lists_its_label_names_by_id(tmp_path):
+    state = _state(task="sequence-classification", metrics={"eval_accuracy": 0.9})
+    text = _saved(build_model_card(state, model_name="org/cls", label_names=["not_equivalent", "equivalent"]), tmp_path).text
+    assert "## Labels" in text and "| 0 | not_equivalent |\n| 1 | equivalent |" in text
+    assert "## Labels" not in _saved(build_model_card(_state(), model_name="org/lm"), tmp_path).text

@@ -10,7 +10,7 @@ TORCH_INDEX_URL ?=
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.qaccel-installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test test-all lint bench clean
 
 # torch without a GPU: (1) torch==$(TORCH_VERSION) as pip is configured (or from TORCH_INDEX_URL);
 # (2) if that is a CUDA build (torch.version.cuda set; e.g. PyPI's Linux x86-64 wheel), say so and
@@ -48,7 +48,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/demo.py --output_dir runs/demo
 
+# The suite without its slow tier (tests marked `slow`: multi-minute end-to-end runs, the wheel
+# install, nvcc builds); `make test-all` runs everything, as CI does (.ci/run).
 test: $(STAMP)
+	$(PY) -m pytest -q --timeout=900 -m "not slow"
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q --timeout=900
 
 lint: $(STAMP)

@@ -77,6 +77,7 @@ def test_the_wheel_carries_the_recipes_launch_configs_kernels_and_entry_point(wh
     assert "qaccel = qaccel.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
+@pytest.mark.slow
 def test_every_command_runs_from_the_installed_wheel(installed, tmp_path):
     python, qaccel, env = installed["python"], str(installed["qaccel"]), installed["env"]
     where = _run([str(python), "-c", "import qaccel; print(qaccel.__file__)"], cwd=tmp_path, env=env).stdout.strip()

@@ -102,6 +102,16 @@ def installed_comms(group: Any) -> dict[str, Any]:
     }
 
 
+def group_all_reduce_hook(group: Any) -> Any:
+    """The hook ``FSDPModule.set_all_reduce_hook`` installed on a param group, or None."""
+    return TORCH.get(group, "_all_reduce_hook", "whether an FSDP2 unit already has an all-reduce hook", owner="FSDPParamGroup")
+
+
+def group_gradient_divide_factor(group: Any) -> float | None:
+    """The factor ``FSDPModule.set_gradient_divide_factor`` set on a param group, or None (FSDP2's default)."""
+    return TORCH.get(group, "gradient_divide_factor", "the gradient divide factor of an FSDP2 unit", owner="FSDPParamGroup")
+
+
 def group_params(group: Any) -> list[Any]:
     """The ``FSDPParam`` objects of a param group, in all-gather buffer order."""
     return list(TORCH.get(group, "fsdp_params", "the parameters of an FSDP2 param group", owner="FSDPParamGroup"))

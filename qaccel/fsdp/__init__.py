@@ -3,6 +3,7 @@
 from ._comms import QuantizedAllGather, QuantizedReduceScatter, UnitPlan
 from ._install import QSDPHandle, install_qsdp
 from ._prefetch import apply_prefetch, clear_prefetch
+from ._replica import INTER_NODE_KINDS, ReplicaAllReduce, ReplicaChunking, bytes_by_level
 from ._seeds import SeedSchedule
 from ._units import FSDPUnit, find_units
 from .config import QSDPConfig
@@ -19,4 +20,8 @@ __all__ = [
     "UnitPlan",
     "FSDPUnit",
     "find_units",
+    "ReplicaAllReduce",
+    "ReplicaChunking",
+    "bytes_by_level",
+    "INTER_NODE_KINDS",
 ]

@@ -123,6 +123,9 @@ class _UnitComm:
         self.meter = meter
         self.buffers = buffers
         self.timer: PhaseTimer | None = None  # set by benchmarks to split collectives into phases
+        # Hierarchical QSDP: replica index * shard size, so gradient seeds name the rank among all
+        # ranks and the replicas of a shard draw independent noise (0 on a 1-D mesh).
+        self.owner_offset = 0
 
     def _poolable(self, numel: int) -> bool:
         return True
@@ -214,7 +217,8 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
             )
         layout = self.plan.layout(self.codec, output_tensor.numel(), input_tensor.dtype)
         call = self.seeds.next_grad_call(self.plan.index)
-        seeds = [self.seeds.grad_seed(self.plan.index, rank, dest, call) for dest in range(world)]
+        owner = self.owner_offset + rank
+        seeds = [self.seeds.grad_seed(self.plan.index, owner, dest, call) for dest in range(world)]
         return quantized_reduce_scatter(
             output_tensor, input_tensor, group, layout, seeds, self.meter, KIND_QSDP_RS, divide_factor,
             async_op=async_op, buffers=self.buffers, timer=self.timer,

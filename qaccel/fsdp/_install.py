@@ -20,12 +20,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm import BufferPool, PhaseTimer, WireMeter, default_meter
 from ._comms import QuantizedAllGather, QuantizedReduceScatter, UnitPlan
 from ._master import requantize_shards
 from ._prefetch import apply_prefetch
+from ._replica import ReplicaAllReduce
 from ._seeds import SeedSchedule
 from ._units import FSDPUnit, find_units, require_custom_comms
 from .config import QSDPConfig
@@ -51,6 +53,8 @@ class QSDPHandle:
     reduce_scatters: list[QuantizedReduceScatter]
     seeds: SeedSchedule
     world_size: int
+    replica_all_reduces: list[ReplicaAllReduce] = field(default_factory=list)
+    replicas: int = 1
     _hooks: list = field(default_factory=list)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -76,12 +80,15 @@ class QSDPHandle:
                 "quantized_numel": sum(n for n, q in plan.segments if q),
                 "weights_quantized": ag.codec is not None,
                 "grads_quantized": rs.codec is not None,
+                **({"replica_grads_quantized": ar.codec is not None} if ar is not None else {}),
             }
-            for plan, ag, rs in zip(self.plans, self.all_gathers, self.reduce_scatters, strict=True)
+            for plan, ag, rs, ar in zip(
+                self.plans, self.all_gathers, self.reduce_scatters, self.replica_all_reduces or [None] * len(self.plans), strict=True
+            )
         ]
 
     def state_dict(self) -> dict:
-        return {"seeds": self.seeds.state_dict(), "world_size": self.world_size, "config": self.config.to_dict()}
+        return {"seeds": self.seeds.state_dict(), "world_size": self.world_size, "replicas": self.replicas, "config": self.config.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the counters; raise ValueError naming every QSDP setting that changed since the save."""
@@ -93,12 +100,12 @@ class QSDPHandle:
                 f"QSDP checkpoint: saved with a different QSDP config ({listed}); resuming with other QSDP "
                 "settings would not continue the saved run. Resume with the saved settings, or start a new run"
             )
-        # The world size is informative only: no QSDP state depends on it.
+        # The world size and replica count are informative only: no QSDP state depends on them.
         self.seeds.load_state_dict(state["seeds"])
 
     def set_phase_timer(self, timer: PhaseTimer | None) -> None:
         """Split every collective's time into encode / transport / decode into ``timer`` (None: off)."""
-        for comm in (*self.all_gathers, *self.reduce_scatters):
+        for comm in (*self.all_gathers, *self.reduce_scatters, *self.replica_all_reduces):
             comm.timer = timer
 
     def remove_hooks(self) -> None:
@@ -113,6 +120,7 @@ def install_qsdp(
     *,
     optimizers: Iterable[torch.optim.Optimizer] = (),
     meter: WireMeter | None = None,
+    replica_group: dist.ProcessGroup | None = None,
 ) -> QSDPHandle:
     """Give every FSDP2 unit of ``model`` a QSDP all-gather and reduce-scatter.
 
@@ -120,18 +128,27 @@ def install_qsdp(
     check runs before any collective. With ``config.prefetch`` (the default) the units also
     prefetch each other's all-gathers asynchronously (:func:`qaccel.fsdp.apply_prefetch`).
 
+    Hierarchical QSDP (HSDP, ``docs/qsdp.md``, "Hierarchical QSDP"): shard the units on the 1-D
+    intra-node mesh and pass the replica group (the ranks that hold this rank's shard on the other
+    nodes). Every unit then sums its gradient shard over the replicas in an all-reduce hook
+    (:class:`ReplicaAllReduce`, ``config.replica_grad_bits``), reduces with SUM inside the node, and
+    FSDP2 divides by ``S * R`` (unless a gradient divide factor was set on the unit: that one is kept).
+
     Args:
         model: a model whose units were sharded with ``fully_shard`` on a 1-D mesh.
         config: the QSDP settings.
         optimizers: optimizers whose steps advance the seeds (and re-round mode-B shards).
         meter: where bytes are recorded (default: the process-wide meter).
+        replica_group: hierarchical QSDP's replica process group (size R >= 2), or None for 1-D QSDP.
 
     Returns:
         A :class:`QSDPHandle`.
 
     Raises:
         RuntimeError: torch without FSDP2 custom comms.
-        ValueError: ``model`` has no FSDP2 unit, or a unit already has another custom comm.
+        ValueError: ``model`` has no FSDP2 unit, a unit already has another custom comm or
+            all-reduce hook, or ``replica_group`` does not pair this rank's shard group with one rank
+            per replica.
         NotImplementedError: HSDP / 2-D mesh, several param groups in a unit, or a quantized unit
             whose parameters are all-gathered in different dtypes, that uses tensor-subclass
             all-gather extensions, or that was sharded with ``reshard_after_forward=<int>``.
@@ -152,8 +169,11 @@ def install_qsdp(
     meter = default_meter if meter is None else meter
     seeds = SeedSchedule(config.seed)
     world_size = max(unit.world_size for unit in units)
+    replicas = _check_replica_group(units, replica_group)
+    shard_rank = units[0].params[0].device_mesh.get_local_rank() if replicas > 1 and units[0].params else 0
+    owner_offset = replica_group.rank() * world_size if replicas > 1 else 0
     buffers = BufferPool()  # one per model: units of equal size share their buffers
-    plans, all_gathers, reduce_scatters = [], [], []
+    plans, all_gathers, reduce_scatters, replica_all_reduces = [], [], [], []
     for unit in units:
         plan = UnitPlan.build(
             unit.index,
@@ -166,24 +186,65 @@ def install_qsdp(
         all_gather = QuantizedAllGather(plan, config.weight_codec(), seeds, meter, buffers)
         reduce_scatter = QuantizedReduceScatter(plan, config.grad_codec(), seeds, meter, buffers)
         refuse_unsupported(unit, weights_quantized=all_gather.codec is not None, grads_quantized=reduce_scatter.codec is not None)
+        reduce_scatter.owner_offset = owner_offset
         plans.append(plan)
         all_gathers.append(all_gather)
         reduce_scatters.append(reduce_scatter)
+        if replicas > 1:
+            owner = owner_offset + shard_rank
+            replica_all_reduces.append(ReplicaAllReduce(plan, config.replica_grad_codec(), seeds, meter, replica_group, owner, buffers))
     # Every check passed: only now change the units.
-    for unit, all_gather, reduce_scatter in zip(units, all_gathers, reduce_scatters, strict=True):
+    for index, (unit, all_gather, reduce_scatter) in enumerate(zip(units, all_gathers, reduce_scatters, strict=True)):
         for module in unit.modules:
-            if reduce_scatter.needs_forced_sum:
+            if reduce_scatter.needs_forced_sum or replicas > 1:
                 # SUM transport; FSDP2 divides afterwards (by P, or the user's gradient divide factor).
                 module.set_force_sum_reduction_for_comms(True)
+            if replicas > 1:
+                # FSDP2 on the 1-D mesh would divide by S only; the hook summed over R replicas too.
+                if unit.gradient_divide_factor is None:
+                    module.set_gradient_divide_factor(float(world_size * replicas))
+                module.set_all_reduce_hook(replica_all_reduces[index])
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
     if config.prefetch:
         apply_prefetch(model)
-    handle = QSDPHandle(config, units, plans, all_gathers, reduce_scatters, seeds, world_size)
+    handle = QSDPHandle(config, units, plans, all_gathers, reduce_scatters, seeds, world_size, replica_all_reduces, replicas)
     for optimizer in optimizers:
         handle.attach_optimizer(optimizer)
     logger.debug("QSDP installed on %d FSDP units: %s", len(units), handle.describe())
     return handle
+
+
+def _check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup | None) -> int:
+    """The replica count R (1 without a group); raise ValueError when the group cannot be the replicas of this rank's shard.
+
+    Local checks only (no collective): every unit is sharded on the same 1-D mesh of S ranks, the
+    replica group contains this rank and meets that mesh in this rank alone, and S * R is the world.
+    """
+    foreign = [(unit.name, unit.foreign_all_reduce_hook) for unit in units if unit.foreign_all_reduce_hook]
+    if foreign:
+        name, hook = foreign[0]
+        raise ValueError(
+            f"QSDP: FSDP unit {name} already has an all-reduce hook ({hook}, set_all_reduce_hook); QSDP cannot "
+            "combine it with its own. Remove it"
+        )
+    if replica_group is None or dist.get_world_size(replica_group) == 1:
+        return 1
+    meshes = {unit.params[0].device_mesh for unit in units if unit.params}
+    if len(meshes) != 1:
+        raise ValueError(f"install_qsdp(replica_group=...): the units are sharded on {len(meshes)} different meshes; hierarchical QSDP needs one intra-node mesh")
+    shard_ranks = set(next(iter(meshes)).mesh.flatten().tolist())
+    replica_ranks = set(dist.get_process_group_ranks(replica_group))
+    me, replicas, world = dist.get_rank(), len(replica_ranks), dist.get_world_size()
+    if me not in replica_ranks or shard_ranks & replica_ranks != {me} or len(shard_ranks) * replicas != world:
+        raise ValueError(
+            f"install_qsdp(replica_group=...): rank {me}'s shard mesh has ranks {sorted(shard_ranks)} and the replica group "
+            f"{sorted(replica_ranks)} (world size {world}); the replica group must hold this rank and one rank of every other "
+            "node, and (shard size) x (replicas) must be the world size. Build both from one 2-D mesh: "
+            "mesh = init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard')); fully_shard(..., "
+            "mesh=mesh['shard']); install_qsdp(..., replica_group=mesh['replicate'].get_group())"
+        )
+    return replicas
 
 
 def refuse_unsupported(unit: FSDPUnit, *, weights_quantized: bool, grads_quantized: bool) -> None:

@@ -7,7 +7,9 @@ reduce-scatter call of that unit within the step.
 - Weights: no per-call term, so the backward re-gather of a unit (``reshard_after_forward=True``)
   decodes bit-identical weights to the forward gather, and every micro-batch of one optimizer step
   computes with the same quantized weights (the weights do not change between them either).
-- Gradients: FSDP2 reduce-scatters once per backward unless gradient sync is switched off for the
+- Gradients: the owner is the rank's index among all ranks of the model (``replica * S + shard
+  rank`` under hierarchical QSDP, the shard rank on a 1-D mesh), so replicas of a shard round their
+  different gradients with independent noise. FSDP2 reduce-scatters once per backward unless gradient sync is switched off for the
   micro-batch (Accelerate's ``sync_each_batch=True``, or plain FSDP2 without
   ``set_requires_gradient_sync(False)``). Each of those calls rounds a different gradient, and its
   rounding noise must be independent of the others', or the accumulated gradient's error would not
@@ -35,6 +37,8 @@ class Direction(IntEnum):
     WEIGHT = 1
     GRAD = 2
     MASTER = 3
+    REPLICA_GRAD = 4  # hierarchical QSDP: the reduce-scatter across replicas
+    REPLICA_GATHER = 5  # ... and the all-gather of the reduced chunks across replicas
 
 
 class SeedSchedule:
@@ -50,11 +54,13 @@ class SeedSchedule:
         self.seed = int(seed)
         self.step = 0
         self._grad_calls: dict[int, int] = {}
+        self._replica_calls: dict[int, int] = {}
 
     def advance(self) -> None:
         """Called after every optimizer step that ran: next step, gradient call counters back to 0."""
         self.step += 1
         self._grad_calls.clear()
+        self._replica_calls.clear()
 
     def grad_calls(self, unit: int) -> int:
         """Reduce-scatter calls of ``unit`` so far in this step."""
@@ -65,6 +71,16 @@ class SeedSchedule:
         call = self._grad_calls.get(unit, 0)
         self._grad_calls[unit] = call + 1
         return call
+
+    def next_replica_call(self, unit: int) -> int:
+        """The index of this all-reduce of ``unit`` across replicas within the step (0, 1, ...)."""
+        call = self._replica_calls.get(unit, 0)
+        self._replica_calls[unit] = call + 1
+        return call
+
+    def replica_seed(self, unit: int, owner: int, direction: Direction, dest: int, call: int) -> int:
+        """Seed with which ``owner`` (index among all ranks) quantizes a chunk of ``unit`` across replicas."""
+        return mix_seed(self.seed, self.step, unit, owner, direction, dest, call)
 
     def weight_seed(self, unit: int, owner: int) -> int:
         """Seed with which ``owner`` quantizes its shard of ``unit`` for this step's all-gathers."""
@@ -80,10 +96,16 @@ class SeedSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         # String keys: the state also travels as JSON (Trainer checkpoints).
-        return {"seed": self.seed, "step": self.step, "grad_calls": {str(unit): calls for unit, calls in self._grad_calls.items()}}
+        return {
+            "seed": self.seed,
+            "step": self.step,
+            "grad_calls": {str(unit): calls for unit, calls in self._grad_calls.items()},
+            "replica_calls": {str(unit): calls for unit, calls in self._replica_calls.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["seed"]) != self.seed:
             raise ValueError(f"QSDP checkpoint: seed={state['seed']} but this run has QSDPConfig.seed={self.seed}")
         self.step = int(state["step"])
         self._grad_calls = {int(unit): int(calls) for unit, calls in state.get("grad_calls", {}).items()}
+        self._replica_calls = {int(unit): int(calls) for unit, calls in state.get("replica_calls", {}).items()}

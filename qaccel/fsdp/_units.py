@@ -62,6 +62,9 @@ class FSDPUnit:
         custom_extension: names of parameters whose local tensor defines ``fsdp_pre_all_gather``
             (tensor-subclass all-gather extensions: the all-gather input is not the shard).
         param_names: qualified names of ``params`` in the model, for messages.
+        foreign_all_reduce_hook: the type name of a hook someone else installed with
+            ``FSDPModule.set_all_reduce_hook`` (not QSDP's own), or None.
+        gradient_divide_factor: the factor set with ``set_gradient_divide_factor``, or None.
     """
 
     index: int
@@ -73,6 +76,8 @@ class FSDPUnit:
     reshard_after_forward_size: int | None = None
     custom_extension: tuple[str, ...] = ()
     param_names: tuple[str, ...] = ()
+    foreign_all_reduce_hook: str | None = None
+    gradient_divide_factor: float | None = None
 
     def shard_numels(self) -> list[int]:
         return [padded_shard_numel(p.shape, self.world_size) for p in self.params]
@@ -137,7 +142,8 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
             if mesh.ndim != 1:
                 raise NotImplementedError(
                     f"QSDP: FSDP unit {name or '<root>'} is sharded on a {mesh.ndim}-D mesh {tuple(mesh.shape)}; "
-                    "HSDP / 2-D meshes are not supported (their replica all-reduce cannot be replaced), use a 1-D mesh"
+                    "its replica all-reduce cannot be replaced. For HSDP use hierarchical QSDP: shard on the 1-D intra-node "
+                    "mesh and pass install_qsdp(..., replica_group=...) (docs/qsdp.md, 'Hierarchical QSDP')"
                 )
         for group in groups:
             for attr, comm in torch_internals.installed_comms(group).items():
@@ -158,10 +164,20 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
             reshard_after_forward_size=_reshard_after_forward_size(groups),
             custom_extension=_custom_extension_params(groups, names),
             param_names=tuple(names.get(id(param), "?") for param in params),
+            foreign_all_reduce_hook=_foreign_all_reduce_hook(groups),
+            gradient_divide_factor=next((f for f in map(torch_internals.group_gradient_divide_factor, groups) if f is not None), None),
         )
         units.append(unit)
         by_state[id(state)] = unit
     return units
+
+
+def _foreign_all_reduce_hook(groups: list) -> str | None:
+    for group in groups:
+        hook = torch_internals.group_all_reduce_hook(group)
+        if hook is not None and type(hook).__name__ != "ReplicaAllReduce":
+            return type(hook).__name__
+    return None
 
 
 def _all_gather_dtypes(groups: list) -> tuple[torch.dtype, ...]:

@@ -31,7 +31,7 @@ MASTER_WEIGHT_MODES = ("fresh", "quantized")
 # compared after strip() and lower(); the same set is accepted from code, environment and recipes.
 OFF_WORDS = ("off", "none", "false", "32")
 AUTO_WORDS = ("auto", "none", "")
-_BITS_FIELDS = ("weight_bits", "grad_bits")
+_BITS_FIELDS = ("weight_bits", "grad_bits", "replica_grad_bits")
 _BUCKET_FIELDS = ("weight_bucket_size", "grad_bucket_size")
 _META_FIELDS = ("weight_meta_dtype", "grad_meta_dtype")
 _INT_FIELDS = ("seed", "param_min_numel", "unit_min_numel")
@@ -61,6 +61,12 @@ class QSDPConfig(SettingsMixin):
             (any case) are all stored as ``None``, from code, ``QACCEL_QSDP_WEIGHT_BITS`` or a
             recipe alike. Default 8.
         grad_bits: bits per gradient on the reduce-scatter, as above. Default 8.
+        replica_grad_bits: hierarchical QSDP only (HSDP: sharded within a node, replicated across
+            nodes; ``docs/qsdp.md``, "Hierarchical QSDP"): bits per gradient of the all-reduce of
+            each gradient shard across the replicas, a quantized reduce-scatter plus all-gather over
+            the replica group, int in [2, 8] (per-bit bucket defaults, ``rounding``), or off for an
+            exact fp32 all-reduce. ``weight_bits`` and ``grad_bits`` then apply inside a node. Ignored
+            on a 1-D mesh. Default 4.
         weight_bucket_size: elements per quantization bucket of weights, >= 1, or ``None`` (also
             ``auto``/``none``/``""``) for the per-bit default (1024 at 8 bits, 128 below). Smaller
             buckets: finer grid, more metadata.
@@ -103,6 +109,11 @@ class QSDPConfig(SettingsMixin):
     grad_bits: int | None = field(
         default=8, metadata={"help": "bits per gradient on the FSDP2 reduce-scatter: 2..8, or off for the stock collective (default 8)"}
     )
+    replica_grad_bits: int | None = field(
+        default=4,
+        metadata={"help": "hierarchical QSDP (HSDP): bits per gradient of the all-reduce across nodes (replicas): 2..8, or "
+                          "off for an exact fp32 all-reduce (default 4; ignored on a 1-D mesh)"},
+    )  # fmt: skip
     weight_bucket_size: int | None = field(
         default=None, metadata={"help": "elements per weight quantization bucket, >= 1, or auto (1024 at 8 bits, 128 below)"}
     )
@@ -173,6 +184,10 @@ class QSDPConfig(SettingsMixin):
     def grad_codec(self) -> WireCodec | None:
         """The reduce-scatter quantizer with per-bit defaults filled in, or ``None`` when off."""
         return _codec(self.grad_bits, self.grad_bucket_size, self.grad_meta_dtype, self.rounding)
+
+    def replica_grad_codec(self) -> WireCodec | None:
+        """The quantizer of the all-reduce across replicas (per-bit bucket defaults), or ``None`` when off."""
+        return _codec(self.replica_grad_bits, None, None, self.rounding)
 
 
 def _codec(bits: int | None, bucket: int | None, meta: str | None, rounding: str) -> WireCodec | None:

@@ -5,19 +5,24 @@ Order (``docs/qsdp.md``, "Accelerate"):
 1. ``before_init``: pick the plugin (a ``QSDPPlugin``, or one built from ``QACCEL_*`` settings
    when ``accelerate launch`` asked for FSDP2) and hand Accelerate a *copy* of it, given
    ``param_dtype=bf16, reduce_dtype=fp32`` under bf16 mixed precision (the wire format is ours, so
-   an fp32 reduce costs no bandwidth); ask for the CPU backend when a distributed run has no GPU.
+   an fp32 reduce costs no bandwidth); ask for the CPU backend when a distributed run has no GPU,
+   and hold back Accelerate's check of a ``ParallelismConfig`` (it refuses 2-D meshes on CPU runs).
    The caller's plugin object is never changed.
 2. ``after_init``: on a multi-process CPU run, switch Accelerate to its FSDP2 path
-   (:func:`qaccel.integration.cpu_fsdp.enable_fsdp2_on_cpu`).
+   (:func:`qaccel.integration.cpu_fsdp.enable_fsdp2_on_cpu`), then run that check.
 3. ``before_prepare``: for any FSDP2 plugin, settle the auto-wrap so that no unit nests around a
    module Accelerate shards on its own afterwards (:func:`plan_auto_wrap`); then refuse what QSDP
    cannot do, before any collective.
-4. ``after_prepare``: install the comms on every FSDP2 unit of the prepared model and the step
-   hook on the prepared optimizer(s); register the seed state for ``save_state``.
+4. ``preparing``: around Accelerate's ``prepare``; under hierarchical QSDP (``dp_replicate_size``
+   R > 1) Accelerate shards on the intra-node ``dp_shard_cp`` mesh instead of the 2-D one.
+5. ``after_prepare``: install the comms on every FSDP2 unit of the prepared model (with the
+   ``dp_replicate`` group as replica group under hierarchical QSDP) and the step hook on the
+   prepared optimizer(s); register the seed state for ``save_state``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -28,6 +33,7 @@ from typing import Any
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -36,10 +42,16 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer
 from .._settings import env_flag
 from ..checkpoint import QSDP_STATE_FILE, atomic_write_json, read_json
 from ..fsdp import QSDPConfig, QSDPHandle, install_qsdp
-from ._accelerate_internals import fsdp2_carved_out_modules
+from ._accelerate_internals import (
+    REPLICATE_DIM,
+    defer_parallelism_check,
+    fsdp2_carved_out_modules,
+    fsdp2_shards_within_nodes,
+    run_deferred_parallelism_check,
+)
 from .cpu_fsdp import enable_fsdp2_on_cpu
 
-__all__ = ["QSDPPlugin", "before_init", "after_init", "plan_auto_wrap", "before_prepare", "after_prepare"]
+__all__ = ["QSDPPlugin", "before_init", "after_init", "plan_auto_wrap", "before_prepare", "preparing", "after_prepare"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +71,7 @@ _NOT_GIVEN: Any = _NotGiven()
 QSDP_KEYWORDS = (
     "weight_bits",
     "grad_bits",
+    "replica_grad_bits",
     "weight_bucket_size",
     "grad_bucket_size",
     "weight_meta_dtype",
@@ -107,6 +120,7 @@ class QSDPPlugin(FullyShardedDataParallelPlugin):
     recipe: InitVar[str | os.PathLike | None] = None
     weight_bits: InitVar[Any] = _NOT_GIVEN
     grad_bits: InitVar[Any] = _NOT_GIVEN
+    replica_grad_bits: InitVar[Any] = _NOT_GIVEN
     weight_bucket_size: InitVar[Any] = _NOT_GIVEN
     grad_bucket_size: InitVar[Any] = _NOT_GIVEN
     weight_meta_dtype: InitVar[Any] = _NOT_GIVEN
@@ -174,6 +188,14 @@ def before_init(kwargs: dict[str, Any]) -> dict[str, Any]:
     if "cpu" not in kwargs and not torch.cuda.is_available() and _world_size_from_env() > 1:
         # Without a GPU Accelerate would run each process alone; the CPU backend gives gloo.
         kwargs["cpu"] = True
+    if kwargs.get("cpu") and _world_size_from_env() > 1:
+        parallelism = kwargs.get("parallelism_config")
+        if parallelism is None and env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+            parallelism = ParallelismConfig()  # what Accelerator.__init__ would build from PARALLELISM_CONFIG_*
+        if parallelism is not None:
+            # Accelerate checks the mesh against the run type inside __init__, where a CPU run is still
+            # MULTI_CPU (refused); after_init checks it once the run is FSDP2.
+            kwargs["parallelism_config"] = defer_parallelism_check(parallelism)
     return kwargs
 
 
@@ -184,6 +206,7 @@ def after_init(accelerator: Any, fsdp_plugin: Any = None) -> None:
         return
     if accelerator.distributed_type == DistributedType.MULTI_CPU:
         enable_fsdp2_on_cpu(accelerator, plugin)
+        run_deferred_parallelism_check(accelerator)
     elif accelerator.distributed_type == DistributedType.NO and isinstance(plugin, QSDPPlugin):
         logger.warning("QSDP: single process, nothing to communicate; QSDP is inactive")
 
@@ -303,15 +326,30 @@ def before_prepare(accelerator: Any, args: tuple) -> None:
     if plugin is None:
         return
     parallelism = getattr(accelerator, "parallelism_config", None)
-    if parallelism is not None and (getattr(parallelism, "dp_replicate_size", 1) > 1 or getattr(parallelism, "tp_size", 1) > 1):
-        raise NotImplementedError(
-            f"QSDP: parallelism_config dp_replicate_size={parallelism.dp_replicate_size}, tp_size={parallelism.tp_size}: "
-            "HSDP and 2-D meshes are not supported; QSDP needs a 1-D data-parallel shard mesh"
-        )
+    if parallelism is not None:
+        others = {name: getattr(parallelism, name, 1) or 1 for name in ("tp_size", "cp_size", "sp_size")}
+        if any(size > 1 for size in others.values()):
+            listed = ", ".join(f"{name}={size}" for name, size in others.items() if size > 1)
+            raise NotImplementedError(
+                f"QSDP: parallelism_config {listed}: QSDP shards data-parallel meshes only, 1-D (dp_shard_size) or "
+                "hierarchical 2-D (dp_replicate_size x dp_shard_size: sharded within a node, replicated across "
+                "nodes); tensor, context and sequence parallelism are not supported. Set them to 1"
+            )
     has_model = any(isinstance(obj, torch.nn.Module) for obj in args)
     has_optimizer = any(isinstance(obj, torch.optim.Optimizer) for obj in args)
     if has_model and not has_optimizer:
         raise ValueError("QSDP: pass the model and its optimizer to the same accelerator.prepare call (FSDP2 requires it)")
+
+
+def _is_hierarchical(accelerator: Any) -> bool:
+    """QSDP with ``ParallelismConfig(dp_replicate_size=R > 1, dp_shard_size=S)``: hierarchical QSDP."""
+    parallelism = getattr(accelerator, "parallelism_config", None)
+    return _qsdp_plugin(accelerator) is not None and parallelism is not None and (parallelism.dp_replicate_size or 1) > 1
+
+
+def preparing(accelerator: Any) -> contextlib.AbstractContextManager:
+    """Context for Accelerate's ``prepare``: hierarchical QSDP shards on the intra-node mesh only."""
+    return fsdp2_shards_within_nodes(accelerator) if _is_hierarchical(accelerator) else contextlib.nullcontext()
 
 
 def after_prepare(accelerator: Any, objects: list) -> None:
@@ -325,7 +363,8 @@ def after_prepare(accelerator: Any, objects: list) -> None:
     if len(models) > 1:
         raise NotImplementedError(f"QSDP: {len(models)} FSDP models in one prepare call; Accelerate's FSDP2 path takes one")
     optimizers = [obj.optimizer if isinstance(obj, AcceleratedOptimizer) else obj for obj in objects if isinstance(obj, (AcceleratedOptimizer, torch.optim.Optimizer))]
-    handle: QSDPHandle = install_qsdp(models[0], plugin.qsdp_config, optimizers=optimizers, meter=accelerator.wire_meter)
+    replica_group = accelerator.torch_device_mesh[REPLICATE_DIM].get_group() if _is_hierarchical(accelerator) else None
+    handle: QSDPHandle = install_qsdp(models[0], plugin.qsdp_config, optimizers=optimizers, meter=accelerator.wire_meter, replica_group=replica_group)
     accelerator.qsdp = handle
     # The seed counters drive the rounding noise; save_state/load_state carry them for exact
     # resumes. As JSON through the state hooks rather than register_for_checkpointing, whose

@@ -66,7 +66,8 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         _qsdp.before_prepare(self, args)
-        prepared = super().prepare(*args, device_placement=device_placement)
+        with _qsdp.preparing(self):
+            prepared = super().prepare(*args, device_placement=device_placement)
         # Accelerate returns the bare object for one argument and a list otherwise.
         objects = [prepared] if len(args) == 1 else list(prepared)
         _qsdp.after_prepare(self, objects)

@@ -1,0 +1,203 @@
+"""Hierarchical QSDP: the all-reduce of each gradient shard across replicas (nodes), as an FSDP2 hook.
+
+HSDP shards a model within a node (S ranks) and replicates it across nodes (R replicas). FSDP2's
+native HSDP all-reduce cannot be replaced, so hierarchical QSDP shards every unit on the 1-D
+intra-node mesh and registers :class:`ReplicaAllReduce` with ``FSDPModule.set_all_reduce_hook``:
+FSDP2 calls it with the reduce-scatter output (the summed gradient shard of this node) before its
+post-divide, and the hook sums it over the replica group in place (``docs/qsdp.md``,
+"Hierarchical QSDP").
+
+Quantized (``replica_grad_bits``): the shard is cut into R chunks, each parameter segment into R
+equal pieces (padded with zeros), so every chunk has the same segment map and the same payload size;
+a quantized reduce-scatter (all-to-all of k-bit chunks, fp32 sum) leaves chunk ``j`` summed on
+replica ``j``, and a quantized all-gather hands every replica every summed chunk. Every replica,
+the owner included, decodes the gathered bytes, so the replicas end bit-identical. Off: an exact
+``all_reduce(SUM)``. Weights never cross nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..comm import (
+    BufferPool,
+    CollectiveTally,
+    PayloadLayout,
+    PhaseTimer,
+    WireCodec,
+    WireMeter,
+    quantized_all_gather,
+    quantized_reduce_scatter,
+    ring_all_reduce_bytes,
+)
+from ._comms import UnitPlan
+from ._seeds import Direction, SeedSchedule
+
+__all__ = [
+    "ReplicaAllReduce",
+    "ReplicaChunking",
+    "bytes_by_level",
+    "KIND_REPLICA_RS",
+    "KIND_REPLICA_AG",
+    "KIND_REPLICA_AR",
+    "INTER_NODE_KINDS",
+]
+
+KIND_REPLICA_RS = "qsdp.replica_reduce_scatter"
+KIND_REPLICA_AG = "qsdp.replica_all_gather"
+KIND_REPLICA_AR = "hsdp.replica_all_reduce"  # exact fp32 (replica_grad_bits off, or a unit too small to quantize)
+INTER_NODE_KINDS = frozenset((KIND_REPLICA_RS, KIND_REPLICA_AG, KIND_REPLICA_AR))
+
+
+def bytes_by_level(tallies: Mapping[str, CollectiveTally]) -> dict[str, int]:
+    """Bytes sent per level: ``inter_node`` (collectives over the replica group) and ``intra_node`` (the rest).
+
+    Under hierarchical QSDP the replica group spans nodes and every other qaccel collective stays
+    inside one; on a 1-D mesh everything is counted as ``intra_node`` (the mesh is one "node" to qaccel).
+    """
+    levels = {"intra_node": 0, "inter_node": 0}
+    for kind, tally in tallies.items():
+        levels["inter_node" if kind in INTER_NODE_KINDS else "intra_node"] += tally.sent_bytes
+    return levels
+
+
+@dataclass(frozen=True)
+class _Piece:
+    offset: int  # of the segment in the shard
+    numel: int  # of the segment
+    piece: int  # elements of the segment in each chunk (ceil(numel / R))
+    chunk_offset: int  # of the piece in a chunk
+
+
+@dataclass(frozen=True)
+class ReplicaChunking:
+    """How a gradient shard is cut into ``replicas`` chunks that share one segment map.
+
+    Segment ``i`` of ``n_i`` elements contributes ``ceil(n_i / R)`` elements to every chunk (zeros
+    past its end), as FSDP2 pads each parameter to a multiple of the mesh size; adjacent raw pieces
+    form one raw segment of the chunk, as in :meth:`UnitPlan.build`.
+    """
+
+    segments: tuple[tuple[int, bool], ...]
+    replicas: int
+    pieces: tuple[_Piece, ...] = field(init=False)
+    chunk_segments: tuple[tuple[int, bool], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        pieces, chunk_segments = [], []
+        offset = chunk_offset = 0
+        for numel, quantize in self.segments:
+            piece = math.ceil(numel / self.replicas)
+            pieces.append(_Piece(offset, numel, piece, chunk_offset))
+            if chunk_segments and not quantize and not chunk_segments[-1][1]:
+                chunk_segments[-1] = (chunk_segments[-1][0] + piece, False)
+            elif piece:
+                chunk_segments.append((piece, quantize))
+            offset += numel
+            chunk_offset += piece
+        object.__setattr__(self, "pieces", tuple(pieces))
+        object.__setattr__(self, "chunk_segments", tuple(chunk_segments))
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(n for n, _ in self.segments)
+
+    @property
+    def chunk_numel(self) -> int:
+        return sum(n for n, _ in self.chunk_segments)
+
+    def split(self, shard: torch.Tensor, chunks: torch.Tensor) -> None:
+        """Write ``shard`` into ``chunks`` (``replicas x chunk_numel``, row ``j`` = chunk ``j``)."""
+        for p in self.pieces:
+            if not p.piece:
+                continue
+            full, rest = divmod(p.numel, p.piece)
+            columns = chunks[:, p.chunk_offset : p.chunk_offset + p.piece]
+            columns[:full].copy_(shard[p.offset : p.offset + full * p.piece].view(full, p.piece))
+            if full < self.replicas:
+                columns[full, :rest].copy_(shard[p.offset + full * p.piece : p.offset + p.numel])
+                columns[full, rest:].zero_()
+                columns[full + 1 :].zero_()
+
+    def join(self, chunks: torch.Tensor, shard: torch.Tensor) -> None:
+        """Inverse of :meth:`split`: read the segments back from ``chunks`` into ``shard``."""
+        for p in self.pieces:
+            if not p.piece:
+                continue
+            full, rest = divmod(p.numel, p.piece)
+            columns = chunks[:, p.chunk_offset : p.chunk_offset + p.piece]
+            shard[p.offset : p.offset + full * p.piece].view(full, p.piece).copy_(columns[:full])
+            if rest:
+                shard[p.offset + full * p.piece : p.offset + p.numel].copy_(columns[full, :rest])
+
+
+class ReplicaAllReduce:
+    """``FSDPModule.set_all_reduce_hook`` callable: sums a unit's gradient shard over the replica group in place.
+
+    Args:
+        plan: the unit's segment map (the reduce-scatter output has the same layout).
+        codec: the quantizer across replicas (``QSDPConfig.replica_grad_codec()``), or ``None``
+            for an exact all-reduce. Units that stay on the stock intra-node collectives
+            (``plan.enabled`` False) all-reduce exactly too: they are small.
+        seeds: the model's seed schedule.
+        meter: where bytes are recorded (kinds in :data:`INTER_NODE_KINDS`).
+        group: the replica process group (the ranks holding this rank's shard on other nodes).
+        owner: this rank's index among all ranks of the model (``replica * S + shard rank``).
+        buffers: the model's buffer pool for the staging blobs.
+    """
+
+    def __init__(
+        self,
+        plan: UnitPlan,
+        codec: WireCodec | None,
+        seeds: SeedSchedule,
+        meter: WireMeter,
+        group: dist.ProcessGroup,
+        owner: int,
+        buffers: BufferPool | None = None,
+    ) -> None:
+        self.plan = plan
+        self.codec = codec if plan.enabled else None
+        self.seeds = seeds
+        self.meter = meter
+        self.group = group
+        self.owner = owner
+        self.buffers = buffers
+        self.timer: PhaseTimer | None = None
+        self._chunking: dict[tuple[int, torch.dtype], tuple[ReplicaChunking, PayloadLayout]] = {}
+
+    def _plan_for(self, numel: int, dtype: torch.dtype) -> tuple[ReplicaChunking, PayloadLayout]:
+        key = (numel, dtype)
+        if key not in self._chunking:
+            segments = self.plan.segments
+            if sum(n for n, _ in segments) != numel:
+                # Same fallback as the intra-node comm (which warns once): uniform buckets.
+                segments = ((numel, True),)
+            chunking = ReplicaChunking(segments, self.group.size())
+            layout = PayloadLayout(segments=chunking.chunk_segments, codec=self.codec, elem_dtype=dtype)
+            self._chunking[key] = (chunking, layout)
+        return self._chunking[key]
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        replicas = self.group.size()
+        if self.codec is None:
+            nbytes = ring_all_reduce_bytes(reduce_output.numel() * reduce_output.element_size(), replicas)
+            self.meter.record(KIND_REPLICA_AR, sent_bytes=nbytes, recv_bytes=nbytes)
+            dist.all_reduce(reduce_output, op=dist.ReduceOp.SUM, group=self.group)
+            return
+        flat = reduce_output.view(-1)
+        chunking, layout = self._plan_for(flat.numel(), flat.dtype)
+        chunks = torch.empty(replicas, chunking.chunk_numel, dtype=flat.dtype, device=flat.device)
+        chunking.split(flat, chunks)
+        unit, call = self.plan.index, self.seeds.next_replica_call(self.plan.index)
+        rs_seeds = [self.seeds.replica_seed(unit, self.owner, Direction.REPLICA_GRAD, dest, call) for dest in range(replicas)]
+        own = torch.empty(chunking.chunk_numel, dtype=flat.dtype, device=flat.device)
+        quantized_reduce_scatter(own, chunks, self.group, layout, rs_seeds, self.meter, KIND_REPLICA_RS, buffers=self.buffers, timer=self.timer)
+        ag_seed = self.seeds.replica_seed(unit, self.owner, Direction.REPLICA_GATHER, 0, call)
+        quantized_all_gather(chunks.view(-1), own, self.group, layout, ag_seed, self.meter, KIND_REPLICA_AG, buffers=self.buffers, timer=self.timer)
+        chunking.join(chunks, flat)

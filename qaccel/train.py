@@ -60,7 +60,7 @@ from qaccel.checkpoint import (
     save_checkpoint,
     save_checkpoint_metadata,
 )
-from qaccel.fsdp import QSDPConfig
+from qaccel.fsdp import QSDPConfig, bytes_by_level
 from qaccel.optim.config import OneBitAdamConfig, ZeroOneAdamConfig
 from qaccel.training import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -296,6 +296,14 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
     return dataclasses.replace(inputs, saved=saved, resume_warnings=warnings)
 
 
+def _hierarchy(accelerator: Any) -> str:
+    """`` (hierarchical: R replicas x S shards)`` under hierarchical QSDP, else nothing."""
+    handle = getattr(accelerator, "qsdp", None)
+    if handle is None or handle.replicas <= 1:
+        return ""
+    return f" (hierarchical: {handle.replicas} replicas x {handle.world_size} shards)"
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Parse, check and train; bad input raises (see :func:`cli` for the command-line behaviour)."""
     args = parse_args(argv)
@@ -394,7 +402,7 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
         accelerator.print(f"saved {path}")
 
     accelerator.print(
-        f"recipe {recipe.name}: {recipe.task}, method {plan.method} on {plan.parallelism}, {accelerator.num_processes} processes, "
+        f"recipe {recipe.name}: {recipe.task}, method {plan.method} on {plan.parallelism}{_hierarchy(accelerator)}, {accelerator.num_processes} processes, "
         f"{sum(p.numel() for p in unwrapped.parameters()):,} parameters (local), {cfg['max_steps']} steps of "
         f"{cfg['per_device_batch_size']} x {cfg['gradient_accumulation_steps']} x {accelerator.num_processes} sequences"
     )
@@ -436,13 +444,15 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
             guards.after_step(completed_steps)  # QACCEL_CHECK_REPLICAS
             step_loss = accelerator.reduce(torch.stack(step_losses).mean(), reduction="mean").item()  # host sync, once per step
             step_seconds = time.perf_counter() - step_start
-            sent = sum(t.sent_bytes for t in accelerator.wire_meter.end_step().values())
+            levels = bytes_by_level(accelerator.wire_meter.end_step())
+            sent = levels["intra_node"] + levels["inter_node"]
             wire_total += sent
             row = {
                 "step": completed_steps,
                 "loss": step_loss,
                 "learning_rate": scheduler.get_last_lr()[0],
                 "wire_bytes": sent,
+                "wire_bytes_inter_node": levels["inter_node"],  # hierarchical QSDP's replica all-reduce (0 otherwise)
                 "wire_bytes_total": wire_total,
                 "step_seconds": step_seconds,
             }

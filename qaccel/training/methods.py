@@ -141,8 +141,8 @@ def plan_method(
         known = {f.name for f in fields(QSDPConfig)}
         _refuse_unknown("qsdp", {**recipe_qsdp, **flag_qsdp}, known)
         settings = dict(flag_qsdp)
-        if method == "none":  # stock FSDP2, its traffic still counted by pass-through comms
-            settings.update(weight_bits=None, grad_bits=None)
+        if method == "none":  # stock FSDP2 (or HSDP), its traffic still counted by pass-through comms
+            settings.update(weight_bits=None, grad_bits=None, replica_grad_bits=None)
         # the recipe's section sits where a config file would: below the QACCEL_QSDP_* variables
         qsdp = QSDPConfig.from_env(recipe=recipe_qsdp, **settings)
     if method in _ONEBIT_CONFIGS:

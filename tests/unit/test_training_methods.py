@@ -22,10 +22,11 @@ def test_qsdp_runs_on_fsdp2_and_the_one_bit_optimizers_on_ddp():
     assert plan_method("onebit_adam", recipe_method="zero_one_adam", **BASE).parallelism == "ddp"
 
 
-def test_none_keeps_the_recipe_parallelism_with_both_paths_off():
+def test_none_keeps_the_recipe_parallelism_with_every_path_off():
     stock_fsdp = plan_method("none", recipe_method="qsdp", **BASE)
     assert stock_fsdp.parallelism == "fsdp2"
-    assert stock_fsdp.qsdp.weight_bits is None and stock_fsdp.qsdp.grad_bits is None
+    # replica_grad_bits too: `none` under an HSDP launch is stock HSDP (an exact replica all-reduce)
+    assert stock_fsdp.qsdp.weight_bits is None and stock_fsdp.qsdp.grad_bits is None and stock_fsdp.qsdp.replica_grad_bits is None
     assert plan_method("none", recipe_method="zero_one_adam", **BASE).parallelism == "ddp"
 
 
@@ -75,7 +76,7 @@ def test_one_bit_settings_precedence_and_training_defaults(monkeypatch):
     assert plan.config_dict()["var_freeze_step"] == 90
 
 
-@pytest.mark.parametrize("name, expected", [("cpu_2proc_qsdp", "fsdp2"), ("gpu_2node_8_qsdp", "fsdp2"), ("cpu_2proc_ddp", None), ("gpu_1node_8_ddp", None)])
+@pytest.mark.parametrize("name, expected", [("cpu_2proc_qsdp", "fsdp2"), ("gpu_2node_8_qsdp", "fsdp2"), ("cpu_2x2_hqsdp", "fsdp2"), ("gpu_2node_8_hqsdp", "fsdp2"), ("cpu_2proc_ddp", None), ("gpu_1node_8_ddp", None)])
 def test_a_launch_config_file_tells_its_parallelism_as_accelerate_launch_exports_it(name, expected):
     import yaml
 

@@ -79,3 +79,32 @@ def test_tensor_and_context_parallel_meshes_are_refused_before_prepare(sizes, na
     # A 2-D data-parallel mesh (HSDP) passes the check.
     accelerator.parallelism_config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
     _qsdp.before_prepare(accelerator, (model, torch.optim.SGD(model.parameters(), lr=0.1)))
+
+
+def test_accelerate_shards_on_the_intra_node_dimension_only_while_preparing():
+    from qaccel.integration._accelerate_internals import fsdp2_shards_within_nodes
+
+    config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
+    accelerator = SimpleNamespace(state=SimpleNamespace(parallelism_config=config))
+    assert config.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]  # Accelerate's own: native HSDP
+    with fsdp2_shards_within_nodes(accelerator):
+        inside = accelerator.state.parallelism_config
+        assert inside.fsdp_dim_names == ["dp_shard_cp"]
+        assert (inside.dp_replicate_size, inside.dp_shard_size, inside.total_size) == (2, 2, 4)
+    assert accelerator.state.parallelism_config is config and config.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+
+
+def test_accelerates_parallelism_check_is_held_back_then_run_on_the_callers_copy():
+    from qaccel.integration._accelerate_internals import defer_parallelism_check, run_deferred_parallelism_check
+
+    config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
+    deferred = defer_parallelism_check(config)
+    assert deferred is not config and "_validate_accelerator" not in vars(config)
+    deferred._validate_accelerator(object())  # what Accelerator.__init__ calls: held back, no error
+    # Accelerate's own check, run afterwards: 4 processes fit 2 x 2, 3 do not.
+    good = SimpleNamespace(parallelism_config=deferred, multi_device=False, num_processes=4, is_fsdp2=True, distributed_type=DistributedType.FSDP)
+    run_deferred_parallelism_check(good)
+    assert "_validate_accelerator" not in vars(deferred)
+    bad = SimpleNamespace(parallelism_config=defer_parallelism_check(config), multi_device=False, num_processes=3, is_fsdp2=True, distributed_type=DistributedType.FSDP)
+    with pytest.raises(ValueError, match=r"total_size \(4\) does not match num_processes \(3\)"):
+        run_deferred_parallelism_check(bad)

@@ -1,4 +1,4 @@
-"""``qaccel bench quant|comm|e2e|convergence``: codec throughput, bytes on the wire per step, step time on a shaped link, eval loss over seeds."""
+"""``qaccel bench quant|comm|e2e|convergence|project``: codec throughput, bytes on the wire per step, step time on a shaped link, eval loss over seeds, a calibrated cost model projected to GPU clusters."""
 
 from __future__ import annotations
 
@@ -39,6 +39,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     convergence_bench.add_arguments(convergence_parser)
     convergence_parser.set_defaults(func=_run(convergence_bench))
 
+    project_parser = kinds.add_parser(
+        "project", help="cost model of a step: calibrated on the simulated cluster, projected to 2..64 GPU nodes"
+    )
+    project_parser.add_argument("--json", "--out", dest="json_path", default=None, help="also write the report here")
+    from ..bench import project as project_bench
+
+    project_bench.add_arguments(project_parser)
+    project_parser.set_defaults(func=_run_project)
+
 
 def _require_plotting(args: argparse.Namespace) -> None:
     """A benchmark that will draw its PNG (``--json`` puts one beside it) needs matplotlib: say so before it runs."""
@@ -77,4 +86,18 @@ def _run_e2e(args: argparse.Namespace) -> int:
     if report["errors"]:
         print(f"qaccel bench e2e: failed configurations: {', '.join(report['errors'])}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_project(args: argparse.Namespace) -> int:
+    """Exit 2 with one line naming the file or key when an input is missing or malformed."""
+    from ..bench import project as project_bench
+    from ._output import report_usage_error
+
+    _require_plotting(args)
+    try:
+        report = project_bench.run(args)
+    except project_bench.ProjectInputError as exc:
+        return report_usage_error("bench project", exc)
+    emit(report, args.json_path)
     return 0

@@ -5,7 +5,7 @@ from ._install import QSDPHandle, install_qsdp
 from ._prefetch import apply_prefetch, clear_prefetch
 from ._replica import INTER_NODE_KINDS, ReplicaAllReduce, ReplicaChunking, bytes_by_level
 from ._seeds import SeedSchedule
-from ._units import FSDPUnit, find_units
+from ._units import FSDPUnit, find_units, padded_shard_numel
 from .config import QSDPConfig
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "UnitPlan",
     "FSDPUnit",
     "find_units",
+    "padded_shard_numel",
     "ReplicaAllReduce",
     "ReplicaChunking",
     "bytes_by_level",

@@ -21,6 +21,9 @@ __all__ = [
     "config_label",
     "onebit_probe",
     "PAPER_SCHEDULES",
+    "NODES_DEFAULT_METHODS",
+    "default_methods",
+    "check_methods_for_nodes",
 ]
 
 
@@ -39,6 +42,11 @@ class Method:
         ddp: DDP flavour: ``"adamw"``, ``"powersgd"``, ``"bf16"``, ``"onebit"``, ``"zero_one"``.
         meter: ``"qaccel"`` (bytes recorded by qaccel's WireMeter) or ``"ring"`` (the ring formula applied
             to every collective torch issues, counted by wrapping ``torch.distributed``'s functions).
+        mesh: ``"flat"`` (one group of all ranks, whatever the node count), ``"hsdp"`` (stock FSDP2 on the
+            2-D mesh: sharded within a node, replicated across nodes) or ``"hqsdp"`` (hierarchical QSDP:
+            FSDP2 on the intra-node mesh, qaccel's all-reduce across the replica group). The last two need
+            several nodes.
+        replica_grad_bits: hierarchical QSDP's bits per gradient across nodes (``None``: exact fp32).
     """
 
     name: str
@@ -48,6 +56,13 @@ class Method:
     qsdp: tuple[int | None, int | None] | None = None
     ddp: str | None = None
     meter: str = "qaccel"
+    mesh: str = "flat"
+    replica_grad_bits: int | None = None
+
+    @property
+    def needs_nodes(self) -> bool:
+        """Replicates across nodes and shards within one: only meaningful with ``--nodes`` >= 2."""
+        return self.mesh != "flat"
 
     @property
     def schedule_weighted(self) -> bool:
@@ -68,9 +83,17 @@ _TABLE = (
     Method("ddp-bf16", "DDP AdamW + bf16 compression hook", "ddp", ddp="bf16", meter="ring"),
     Method("onebit-adam", "1-bit Adam", "ddp", ddp="onebit"),
     Method("zero-one-adam", "0/1 Adam", "ddp", ddp="zero_one"),
-)
+    # several nodes only (``--nodes`` >= 2): sharded within a node, replicated across nodes
+    Method("hsdp-fp32", "HSDP fp32 (stock FSDP2, 2-D mesh)", "fsdp", meter="ring", mesh="hsdp"),
+    Method("hqsdp-w8g8-r8", "hierarchical QSDP: W8G8 in a node, 8-bit across", "fsdp", qsdp=(8, 8), mesh="hqsdp", replica_grad_bits=8),
+    Method("hqsdp-w8g8-r4", "hierarchical QSDP: W8G8 in a node, 4-bit across", "fsdp", qsdp=(8, 8), mesh="hqsdp", replica_grad_bits=4),
+    Method("hqsdp-off-r4", "hierarchical QSDP: exact in a node, 4-bit across", "fsdp", qsdp=(None, None), mesh="hqsdp", replica_grad_bits=4),
+)  # fmt: skip
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
-DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
+# one node (and ``all`` there): every method that runs on one node, in table order
+DEFAULT_METHODS: tuple[str, ...] = tuple(name for name, m in METHODS.items() if not m.needs_nodes)
+# several nodes, by default: the issue's comparison (stock FSDP2 and QSDP over all ranks, stock and hierarchical HSDP)
+NODES_DEFAULT_METHODS: tuple[str, ...] = ("fsdp2-fp32", "hsdp-fp32", "qsdp-w8g8", "hqsdp-w8g8-r8", "hqsdp-w8g8-r4", "hqsdp-off-r4")
 # --prefetch default: both settings for the two methods the overlap question is about, off elsewhere.
 PREFETCH_DEFAULT = {"fsdp2-fp32": (False, True), "qsdp-w8g8": (False, True)}
 
@@ -135,14 +158,41 @@ def format_rate(bits: float | None) -> str:
 
 
 def parse_methods(text: str) -> list[str]:
-    """A comma-separated list of method names (``all`` for every one), each checked against the table."""
+    """A comma-separated list of method names (``all`` for every one), each checked against the table.
+
+    ``all`` stays ``["all"]`` here: what it means depends on ``--nodes`` (:func:`default_methods`).
+    """
     names = [part.strip() for part in text.split(",") if part.strip()]
     if names == ["all"]:
-        return list(DEFAULT_METHODS)
+        return names
     unknown = [name for name in names if name not in METHODS]
     if unknown or not names:
         raise ValueError(f"--methods {text!r}: unknown {unknown or 'empty list'}; known: {', '.join(METHODS)} (or all)")
     return list(dict.fromkeys(names))
+
+
+def default_methods(nodes: int, *, everything: bool = False) -> list[str]:
+    """The methods run without ``--methods`` (``everything``: with ``--methods all``) at ``nodes`` nodes.
+
+    One node: every one-node method either way. Several nodes: the issue's six by default; ``all`` adds
+    every flat method, which runs over all ranks of all nodes unchanged.
+    """
+    if nodes == 1:
+        return list(DEFAULT_METHODS)
+    return list(METHODS) if everything else list(NODES_DEFAULT_METHODS)
+
+
+def check_methods_for_nodes(methods: list[str], nodes: int) -> None:
+    """Refuse, naming them, the methods that need several nodes when ``nodes`` is 1 (ValueError)."""
+    if nodes > 1:
+        return
+    multi = [name for name in methods if METHODS[name].needs_nodes]
+    if multi:
+        flat = ", ".join(DEFAULT_METHODS)
+        raise ValueError(
+            f"--methods {','.join(multi)}: shards within a node and replicates across nodes, so it needs --nodes 2 or "
+            f"more (got --nodes {nodes}); on one node use the flat methods: {flat}"
+        )
 
 
 def config_label(method: str, prefetch: bool | None) -> str:

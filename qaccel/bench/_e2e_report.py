@@ -12,7 +12,7 @@ from ._e2e_methods import METHODS, PAPER_SCHEDULES, config_label, format_rate
 
 __all__ = ["summarize", "add_speedups", "evaluate_goals", "render_markdown", "plot", "paper_weights", "BASELINES"]
 
-BASELINES = ("fsdp2-fp32", "fsdp2-bf16", "ddp-adamw", "onebit-adam")
+BASELINES = ("fsdp2-fp32", "fsdp2-bf16", "ddp-adamw", "onebit-adam", "hsdp-fp32")
 MARK_BEGIN = "<!-- qaccel bench e2e: begin (generated; edit the generator, not this block) -->"
 MARK_END = "<!-- qaccel bench e2e: end -->"
 
@@ -38,8 +38,41 @@ def paper_weights(method: str) -> dict[str, float]:
     return {kind.value: n / total for kind, n in counts.items() if n}
 
 
+def _figure(steps: list[dict], value, weights: dict[str, float] | None) -> float:  # noqa: ANN001
+    """``value(step)``'s median over the steady steps; schedule-weighted methods: the weighted sum of per-kind medians."""
+    if weights is None:
+        return statistics.median(value(s) for s in steps if s["steady"])
+    total = 0.0
+    for kind, weight in weights.items():
+        samples = [s for s in steps if s["kind"] == kind and s["steady"]] or [s for s in steps if s["kind"] == kind]
+        total += weight * statistics.median(value(s) for s in samples)
+    return total
+
+
+def _level_figures(steps: list[dict], weights: dict[str, float] | None, world: int) -> dict:
+    """A several-node row's bytes per level: interface counters (whole job) and meter (per rank)."""
+
+    def meter_level(level: str):  # noqa: ANN202
+        return lambda s: statistics.fmean(r[level] for r in s["meter_by_level_per_rank"])
+
+    inter = _figure(steps, lambda s: s["inter_node_bytes"], weights)
+    meter = {level: _figure(steps, meter_level(level), weights) for level in ("intra_node", "inter_node")}
+    return {
+        "inter_node_bytes_per_step": inter,
+        "intra_node_bytes_per_step": _figure(steps, lambda s: s["intra_node_bytes"], weights),
+        "inter_node_busiest_direction_bytes_per_step": _figure(steps, lambda s: s["inter_node_busiest_direction_bytes"], weights),
+        "meter_bytes_by_level_per_rank_step": meter,
+        "inter_node_link_over_meter": inter / (meter["inter_node"] * world) if meter["inter_node"] else None,
+    }
+
+
 def summarize(raw: dict, method: str, prefetch: bool | None, rate_bits: float | None, compute_s: float | None) -> dict:
-    """One result row from a configuration's raw records (rank 0's file)."""
+    """One result row from a configuration's raw records (rank 0's file).
+
+    Several nodes (``raw["nodes"]`` > 1): the row also has the bytes per level (``_level_figures``), and the link
+    time is the busiest shaped direction's bytes at the rate: every direction of every node's link has the
+    full rate, and traffic inside a node crosses its unshaped loopback, counted as free.
+    """
     spec = METHODS[method]
     world = raw["world_size"]
     steps = raw["steps"]
@@ -84,6 +117,12 @@ def summarize(raw: dict, method: str, prefetch: bool | None, rate_bits: float | 
         time_stats = _stats([s["seconds"] for s in steady])
         link = statistics.median(s["link_bytes"] for s in steady)
         meter = statistics.median(statistics.fmean(s["meter_sent_bytes_per_rank"]) for s in steady)
+    shaped = link  # one node: every rank's bytes cross the one shaped device
+    if raw.get("nodes", 1) > 1:
+        row.update(nodes=raw["nodes"], nproc_per_node=raw["nproc_per_node"])
+        weights = {kind: figures["weight"] for kind, figures in row["per_kind"].items()} if spec.schedule_weighted else None
+        row.update(_level_figures(steps, weights, world))
+        shaped = row["inter_node_busiest_direction_bytes_per_step"]
     row.update(
         step_s=time_stats["median"],
         step_s_min=time_stats["min"],
@@ -98,7 +137,7 @@ def summarize(raw: dict, method: str, prefetch: bool | None, rate_bits: float | 
         t_compute_s=compute_s,
     )
     if rate_bits is not None and compute_s is not None:
-        t_comm = link * 8 / rate_bits  # every rank's bytes cross the one shaped device
+        t_comm = shaped * 8 / rate_bits
         row.update(
             t_comm_s=t_comm,
             ideal_no_overlap_s=compute_s + t_comm,
@@ -195,6 +234,26 @@ def _s(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def failed_line(row: dict) -> str:
+    """A table line for a configuration that has no result: its label and the first line of the error."""
+    reason = (row.get("error") or "?").splitlines()[0][:120].replace("|", "/")
+    return f"| {row['label']} | failed: {reason} |||||||||||"
+
+
+def step_cell(row: dict) -> str:
+    return f"{row['step_s']:.2f} [{row['step_s_min']:.2f}, {row['step_s_max']:.2f}]"
+
+
+def fraction_cell(row: dict) -> str:
+    frac = row["fraction_of_ideal_full_overlap"]
+    return "-" if frac is None else f"{frac:.0%}"
+
+
+def speedup_cells(row: dict, baselines: tuple[str, ...]) -> str:
+    speedup = row.get("speedup", {})
+    return " | ".join(f"{speedup[b]:.2f}x" if b in speedup else "-" for b in baselines)
+
+
 def render_markdown(report: dict, image: str | None = None) -> str:
     """The BENCHMARKS.md section: settings, compute-only times, one table per bandwidth, goals, reproduction."""
     s = report["settings"]
@@ -234,17 +293,14 @@ def render_markdown(report: dict, image: str | None = None) -> str:
         ]
         for r in rows:
             if "step_s" not in r:
-                reason = (r.get("error") or "?").splitlines()[0][:120].replace("|", "/")
-                lines.append(f"| {r['label']} | failed: {reason} |||||||||||")
+                lines.append(failed_line(r))
                 continue
-            sp = r.get("speedup", {})
-            frac = r["fraction_of_ideal_full_overlap"]
             lines.append(
-                f"| {r['label']} | {r['step_s']:.2f} [{r['step_s_min']:.2f}, {r['step_s_max']:.2f}] | "
+                f"| {r['label']} | {step_cell(r)} | "
                 f"{_mb(r['link_bytes_per_rank_step'])} | {_mb(r['meter_bytes_per_rank_step'])}"
                 f"{'' if r['meter_source'] == 'qaccel' else ' (ring)'} | {_s(r['link_over_meter'])} | {_s(r['t_comm_s'])} | "
-                f"{_s(r['ideal_no_overlap_s'])} | {_s(r['ideal_full_overlap_s'])} | {'-' if frac is None else f'{frac:.0%}'} | "
-                + " | ".join(f"{sp[b]:.2f}x" if b in sp else "-" for b in ("fsdp2-fp32", "fsdp2-bf16", "ddp-adamw"))
+                f"{_s(r['ideal_no_overlap_s'])} | {_s(r['ideal_full_overlap_s'])} | {fraction_cell(r)} | "
+                + speedup_cells(r, ("fsdp2-fp32", "fsdp2-bf16", "ddp-adamw"))
                 + " |"
             )
         lines.append("")
@@ -268,13 +324,13 @@ def render_markdown(report: dict, image: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: str, text: str) -> None:
-    """Replace the generated block in ``path`` (or append it; create the file if missing)."""
+def write_markdown(path: str, text: str, begin: str = MARK_BEGIN, end: str = MARK_END) -> None:
+    """Replace the generated block between ``begin`` and ``end`` in ``path`` (or append it; create the file if missing)."""
     target = Path(path)
     old = target.read_text() if target.exists() else "# Benchmarks\n\n"
-    if MARK_BEGIN in old and MARK_END in old:
-        head, rest = old.split(MARK_BEGIN, 1)
-        tail = rest.split(MARK_END, 1)[1].lstrip("\n")
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         new = head + text + ("\n" + tail if tail else "")
     else:
         new = old.rstrip("\n") + "\n\n" + text

@@ -8,6 +8,12 @@ Per step: a barrier, the namespace's loopback ``tx_bytes`` and a clock read on r
 (forward, backward, optimizer step), a barrier, the counter and clock again. The loopback carries every
 rank's traffic, so the counter difference is the whole job's bytes on the link in that step, plus the two
 barriers (a few hundred bytes). Meter bytes are what each rank's meter recorded for the step.
+
+Several nodes (``spec["nodes"]`` > 1, one torchrun per node, ``_e2e_netns.NodeCluster``): the first rank of
+every node reads its node's counters instead, ``lo``'s ``tx_bytes`` (intra-node) and its veth's ``tx_bytes``
+and ``rx_bytes`` (inter-node), and every rank splits its meter bytes by level: a collective counts as
+``inter_node`` when its group spans nodes (every collective of a flat method, the replica all-reduce of
+HSDP), ``intra_node`` otherwise; hierarchical QSDP's kinds are classified by ``qaccel.fsdp.bytes_by_level``.
 """
 
 from __future__ import annotations
@@ -50,15 +56,25 @@ def _batch(model_name: str, step: int, rank: int, world_size: int) -> torch.Tens
 
 # -- the "ring" meter: torch's own collectives, counted with the same formulas as qaccel's meter --------
 @contextmanager
-def _ring_meter(meter):
+def _ring_meter(meter, levels: dict[str, int] | None = None, nproc_per_node: int = 0):
     """Wrap torch.distributed's flat collectives so every call records its ring bytes in ``meter``.
 
     FSDP2's default comms and torch's DDP hooks look these functions up at call time, so stock FSDP2,
-    PowerSGD and the bf16 compression hook are counted without touching their code.
+    PowerSGD and the bf16 compression hook are counted without touching their code. With ``levels``
+    (several nodes of ``nproc_per_node`` ranks) each call's bytes are also added to ``levels["inter_node"]``
+    when its group spans nodes, else to ``levels["intra_node"]``.
     """
     from ..comm import ring_all_reduce_bytes
 
     originals = {}
+    group_levels: dict[int, str] = {}
+
+    def level_of(group) -> str:  # noqa: ANN001
+        key = id(group)
+        if key not in group_levels:
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+            group_levels[key] = "inter_node" if len({r // nproc_per_node for r in ranks}) > 1 else "intra_node"
+        return group_levels[key]
 
     def wrap(name, count):
         original = getattr(dist, name, None)
@@ -70,6 +86,8 @@ def _ring_meter(meter):
             world = dist.get_world_size(group)
             nbytes = count(args, kwargs, world)
             meter.record(f"torch.{name}", sent_bytes=nbytes, recv_bytes=nbytes)
+            if levels is not None:
+                levels[level_of(group)] += nbytes
             return original(*args, **kwargs)
 
         originals[name] = original
@@ -100,7 +118,7 @@ def _ring_meter(meter):
 
 
 # -- method set-up ----------------------------------------------------------------------------------
-def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetch: bool, meter, lr: float):
+def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetch: bool, meter, lr: float, nproc_per_node: int = 0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -108,7 +126,15 @@ def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetc
 
     bf16 = method.compute == "bf16"
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
-    mesh = init_device_mesh("cpu", (world_size,))
+    replica_group = None
+    if method.mesh == "flat":
+        mesh = init_device_mesh("cpu", (world_size,))
+    else:  # replicate across nodes, shard within one: global rank = node * nproc_per_node + local rank
+        grid = init_device_mesh("cpu", (world_size // nproc_per_node, nproc_per_node), mesh_dim_names=("replicate", "shard"))
+        # stock HSDP takes the 2-D mesh; hierarchical QSDP shards on the node's mesh and owns the replica all-reduce
+        mesh = grid if method.mesh == "hsdp" else grid["shard"]
+        if method.mesh == "hqsdp":
+            replica_group = grid["replicate"].get_group()
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -116,8 +142,11 @@ def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetc
     info: dict = {"prefetch": prefetch}
     if method.qsdp is not None:
         weight_bits, grad_bits = method.qsdp
-        config = qfsdp.QSDPConfig(weight_bits=weight_bits, grad_bits=grad_bits, prefetch=prefetch)
-        handle = qfsdp.install_qsdp(model, config, optimizers=[optimizer], meter=meter)
+        if replica_group is None:
+            config = qfsdp.QSDPConfig(weight_bits=weight_bits, grad_bits=grad_bits, prefetch=prefetch)
+        else:
+            config = qfsdp.QSDPConfig(weight_bits=weight_bits, grad_bits=grad_bits, replica_grad_bits=method.replica_grad_bits, prefetch=prefetch)
+        handle = qfsdp.install_qsdp(model, config, optimizers=[optimizer], meter=meter, replica_group=replica_group)
         info["units"] = handle.describe()
     elif prefetch:
         # Stock FSDP2 gets the same prefetch setting as QSDP, so the comparison is like for like.
@@ -192,6 +221,7 @@ def run_distributed(spec: dict) -> None:
     dist.init_process_group("gloo", timeout=_timedelta(spec["pg_timeout_s"]))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     method = METHODS[spec["method"]]
+    nodes = _Nodes(spec, rank, world_size) if spec.get("nodes", 1) > 1 else None
     dist.barrier()
     compute = compute_only_steps(spec, rank, world_size)
     gc.collect()
@@ -200,24 +230,28 @@ def run_distributed(spec: dict) -> None:
     model = _build_model(spec["model"])
     num_params = sum(p.numel() for p in model.parameters())
     if method.parallel == "fsdp":
-        model, optimizer, schedule, info = _setup_fsdp(method, model, world_size, bool(spec["prefetch"]), meter, spec["lr"])
+        nproc = nodes.nproc_per_node if nodes else 0
+        model, optimizer, schedule, info = _setup_fsdp(method, model, world_size, bool(spec["prefetch"]), meter, spec["lr"], nproc)
     else:
         model, optimizer, schedule, info = _setup_ddp(method, model, meter, spec["lr"], spec.get("probe"))
     steps = spec["total_steps"]
     counter = spec["counter_path"]
     records = []
-    context = _ring_meter(meter) if method.meter == "ring" else nullcontext()
+    ring_levels = nodes.ring_levels(method) if nodes else None
+    context = _ring_meter(meter, ring_levels, nodes.nproc_per_node if nodes else 0) if method.meter == "ring" else nullcontext()
     with context:
         for step in range(steps):
             kind = schedule.next_kind().value if schedule is not None else "step"
             tokens = _batch(spec["model"], step, rank, world_size)
             dist.barrier()
-            link0 = _read_counter(counter) if rank == 0 else 0
+            link0 = _read_counter(counter) if rank == 0 and not nodes else 0
+            node0 = nodes.read() if nodes else None
             start = time.perf_counter()
             loss = _train_step(model, optimizer, tokens)
             dist.barrier()
             seconds = time.perf_counter() - start
-            link1 = _read_counter(counter) if rank == 0 else 0
+            link1 = _read_counter(counter) if rank == 0 and not nodes else 0
+            node1 = nodes.read() if nodes else None
             tallies = meter.end_step()
             records.append(
                 {
@@ -230,10 +264,15 @@ def run_distributed(spec: dict) -> None:
                     "loss": loss,
                 }
             )
+            if nodes:
+                records[-1].update(nodes.step_figures(node0, node1, method, tallies))
     per_rank_meter = [None] * world_size
     dist.all_gather_object(per_rank_meter, [r["meter_sent_bytes"] for r in records])
     per_rank_compute = [None] * world_size
     dist.all_gather_object(per_rank_compute, statistics.median(r["seconds"] for r in compute if r["steady"]))
+    if nodes:
+        nodes.gather(records)
+        info.update(nodes=nodes.count, nproc_per_node=nodes.nproc_per_node, mesh=method.mesh)
     if rank == 0:
         for i, record in enumerate(records):
             record["meter_sent_bytes_per_rank"] = [ranks[i] for ranks in per_rank_meter]
@@ -246,10 +285,74 @@ def run_distributed(spec: dict) -> None:
         else:
             for record in records:
                 record["steady"] = record["step"] >= spec["warmup"]
-        _write(spec["out"], {"num_params": num_params, "world_size": world_size, "info": info, "steps": records,
-                             "torch_threads": torch.get_num_threads(), "compute_steps_rank0": compute,
-                             "compute_median_s_per_rank": per_rank_compute})  # fmt: skip
+        result = {"num_params": num_params, "world_size": world_size, "info": info, "steps": records,
+                  "torch_threads": torch.get_num_threads(), "compute_steps_rank0": compute,
+                  "compute_median_s_per_rank": per_rank_compute}  # fmt: skip
+        if nodes:
+            result.update(nodes=nodes.count, nproc_per_node=nodes.nproc_per_node)
+        _write(spec["out"], result)
     _free_and_close()
+
+
+class _Nodes:
+    """This rank's place in a several-node job, and the per-step figures by level (module docstring).
+
+    The first rank of each node reads that node's counters around every step; at the end rank 0 collects
+    them (:meth:`gather`) into per-step totals: ``intra_node_bytes`` (every node's ``lo``), ``inter_node_bytes``
+    (every node's veth ``tx``, each inter-node byte counted once, where it leaves its node) and
+    ``inter_node_busiest_direction_bytes`` (the most any shaped direction carried, which sets the link time).
+    """
+
+    def __init__(self, spec: dict, rank: int, world_size: int) -> None:
+        self.count = int(spec["nodes"])
+        self.nproc_per_node = int(spec["nproc_per_node"])
+        if world_size != self.count * self.nproc_per_node:
+            raise RuntimeError(f"world size {world_size} != {self.count} nodes x {self.nproc_per_node} ranks")
+        self.node = rank // self.nproc_per_node
+        group_rank = os.environ.get("GROUP_RANK")  # torchrun's node rank: ranks must be numbered node by node
+        if group_rank is not None and int(group_rank) != self.node:
+            raise RuntimeError(f"rank {rank} runs on node {group_rank}, expected node {self.node} (rank // nproc_per_node)")
+        self.reader = rank % self.nproc_per_node == 0
+        self.paths = spec["node_counters"][self.node]
+        self._ring: dict[str, int] | None = None
+
+    def read(self) -> dict[str, int] | None:
+        return {key: _read_counter(path) for key, path in self.paths.items()} if self.reader else None
+
+    def ring_levels(self, method: Method) -> dict[str, int] | None:
+        """The dict the ring meter adds each collective's bytes to, by level (None: not a ring-metered method)."""
+        self._ring = {"intra_node": 0, "inter_node": 0} if method.meter == "ring" else None
+        return self._ring
+
+    def step_figures(self, before: dict | None, after: dict | None, method: Method, tallies: dict) -> dict:
+        """This rank's share of one step: its node's counter deltas (first rank of a node) and its meter bytes by level."""
+        if method.mesh == "hqsdp":
+            from ..fsdp import bytes_by_level
+
+            levels = dict(bytes_by_level(tallies))
+        elif self._ring is not None:  # the ring meter's split (by each collective's group), restarted every step
+            levels = dict(self._ring)
+            self._ring.update(intra_node=0, inter_node=0)
+        else:  # a flat method: every qaccel collective runs over all ranks, which span the nodes
+            levels = {"intra_node": 0, "inter_node": sum(t.sent_bytes for t in tallies.values())}
+        node_bytes = {key: after[key] - before[key] for key in after} if self.reader else None
+        return {"node_bytes": node_bytes, "meter_by_level": levels}
+
+    def gather(self, records: list[dict]) -> None:
+        """Collect every rank's per-step figures on rank 0 and add the per-step totals there."""
+        mine = [(r.pop("node_bytes"), r.pop("meter_by_level")) for r in records]
+        everyone: list = [None] * (self.count * self.nproc_per_node)
+        dist.all_gather_object(everyone, mine)
+        if dist.get_rank() != 0:
+            return
+        for i, record in enumerate(records):
+            per_node = [everyone[k * self.nproc_per_node][i][0] for k in range(self.count)]
+            record["node_bytes"] = per_node
+            record["intra_node_bytes"] = sum(n["lo"] for n in per_node)
+            record["inter_node_bytes"] = sum(n["inter_tx"] for n in per_node)
+            record["inter_node_busiest_direction_bytes"] = max(max(n["inter_tx"], n["inter_rx"]) for n in per_node)
+            record["link_bytes"] = record["intra_node_bytes"] + record["inter_node_bytes"]
+            record["meter_by_level_per_rank"] = [ranks[i][1] for ranks in everyone]
 
 
 def compute_only_steps(spec: dict, rank: int, world_size: int) -> list[dict]:

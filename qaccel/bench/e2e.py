@@ -6,6 +6,12 @@ bucket, ``_e2e_netns``) and every configuration (method x prefetch setting, ``_e
 the link, qaccel's wire meter the bytes the method meant to send; a compute-only run of the same per-rank
 work gives ``T_compute``, and ``_e2e_report`` turns all of it into step times, ideals, speedups and the
 issue's goals. Details and the reading of the results: ``BENCHMARKS.md``.
+
+``--nodes N`` (2 to 8) simulates a cluster instead: one namespace per node, its ranks on its own unshaped
+loopback, the nodes joined by shaped veth links (``_e2e_netns.NodeCluster``), and per configuration one
+``torchrun`` per node (static rendezvous on node 0's veth address, gloo bound to the node's veth). The rows
+then also carry the bytes per level, from the interface counters and from the meter; the goals and the
+Markdown section are the several-node ones (``_e2e_cluster_report``).
 """
 
 from __future__ import annotations
@@ -22,19 +28,30 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import _e2e_cluster_report as cluster_report
 from . import _e2e_report as report_mod
 from ._e2e_methods import (
-    DEFAULT_METHODS,
     METHODS,
     MODELS,
+    NODES_DEFAULT_METHODS,
     PREFETCH_DEFAULT,
+    check_methods_for_nodes,
     config_label,
+    default_methods,
     format_rate,
     onebit_probe,
     parse_methods,
     parse_rate,
 )
-from ._e2e_netns import TX_BYTES, NamespaceError, ShapedNamespace, check_prerequisites, tbf_parameters
+from ._e2e_netns import (
+    MAX_NODES,
+    TX_BYTES,
+    NamespaceError,
+    NodeCluster,
+    ShapedNamespace,
+    check_prerequisites,
+    tbf_parameters,
+)
 
 __all__ = ["add_arguments", "run", "E2EError", "plan_configs"]
 
@@ -60,7 +77,7 @@ def _methods_arg(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(minimum: int):
+def _positive(minimum: int, maximum: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -68,6 +85,8 @@ def _positive(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} must be <= {maximum}")
         return value
 
     return parse
@@ -77,19 +96,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth", action="append", type=_rate_arg, default=None, metavar="RATE",
                         help="link rate in tc syntax (300mbit, 1gbit, ...) or 'none' for unshaped; repeat for several "
                              "(default: 300mbit)")  # fmt: skip
-    parser.add_argument("--methods", type=_methods_arg, default=list(DEFAULT_METHODS),
-                        help=f"comma-separated methods, or all (default all): {', '.join(METHODS)}")  # fmt: skip
+    parser.add_argument("--methods", type=_methods_arg, default=None,
+                        help=f"comma-separated methods, or all (default: all on one node; with --nodes > 1 "
+                             f"{','.join(NODES_DEFAULT_METHODS)}): {', '.join(METHODS)}")  # fmt: skip
     parser.add_argument("--prefetch", choices=("default", "on", "off", "both"), default="default",
                         help="FSDP2 forward/backward prefetch between units for the FSDP methods: on, off, both; default: "
-                             "both for fsdp2-fp32 and qsdp-w8g8, off for the others")  # fmt: skip
+                             "both for fsdp2-fp32 and qsdp-w8g8, off for the others (with --nodes > 1: on for all)")  # fmt: skip
     parser.add_argument("--steps", type=_positive(1), default=5, help="measured steps per configuration (default 5)")
     parser.add_argument("--warmup", type=_positive(2), default=2, help="warm-up steps before them, >= 2 (default 2)")
-    parser.add_argument("--world_size", type=_positive(2), default=2, help="ranks (default 2)")
+    parser.add_argument("--world_size", type=_positive(2), default=None, help="ranks of the one-node run (default 2)")
+    parser.add_argument("--nodes", type=_positive(1, MAX_NODES), default=1,
+                        help=f"simulated nodes, 1 to {MAX_NODES}: one network namespace each, joined by veth links shaped to "
+                             "--bandwidth, each node's ranks on its own unshaped loopback (default 1: one shaped loopback)")  # fmt: skip
+    parser.add_argument("--nproc_per_node", type=_positive(1), default=None,
+                        help="ranks per node (default: --world_size, i.e. 2); with --nodes N the job has N x this many ranks")  # fmt: skip
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-17m", help="model shape (default gpt2-17m; tiny for smoke)")
     parser.add_argument("--threads", type=_positive(1), default=1, help="torch/OpenMP threads per rank (default 1)")
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of every optimizer (default 1e-4)")
     parser.add_argument("--plot", default=None, help="write the PNG here (default: next to --json)")
-    parser.add_argument("--markdown", default=None, help="write/replace the e2e section of this Markdown file (BENCHMARKS.md)")
+    parser.add_argument("--markdown", default=None, help="write/replace the e2e section of this Markdown file (BENCHMARKS.md; with --nodes > 1 the two-node section)")
     parser.add_argument("--raw_dir", default=None,
                         help="keep every configuration's raw result (JSON) and log in this folder (default: a temporary one)")
     parser.add_argument("--from_raw", default=None, metavar="DIR",
@@ -99,14 +124,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds one configuration may take before it is killed (default: from the model and rate)")  # fmt: skip
 
 
-def plan_configs(methods: list[str], prefetch: str) -> list[tuple[str, bool | None]]:
-    """``(method, prefetch)`` pairs in run order; DDP methods have no prefetch setting (None)."""
+def plan_configs(methods: list[str], prefetch: str, nodes: int = 1) -> list[tuple[str, bool | None]]:
+    """``(method, prefetch)`` pairs in run order; DDP methods have no prefetch setting (None).
+
+    ``--prefetch default`` on several nodes is on for every FSDP method: one like-for-like configuration each.
+    """
     configs = []
     for name in methods:
         if METHODS[name].parallel != "fsdp":
             configs.append((name, None))
             continue
-        if prefetch == "default":
+        if prefetch == "default" and nodes > 1:
+            settings = (True,)
+        elif prefetch == "default":
             settings = PREFETCH_DEFAULT.get(name, (False,))
         else:
             settings = {"on": (True,), "off": (False,), "both": (False, True)}[prefetch]
@@ -141,28 +171,56 @@ def _timeout(args: argparse.Namespace, rate_bits: float | None, total_steps: int
     return 300.0 + total_steps * (60.0 + comm)
 
 
-def _run_logged(argv: list[str], env: dict, log: Path, timeout: float, what: str) -> None:
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(PACKAGE_ROOT))
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise E2EError(f"{what}: no result within {timeout:.0f} s (killed); log tail:\n{_tail(log)}") from None
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-    if code != 0:
-        raise E2EError(f"{what}: exit {code}; log tail:\n{_tail(log)}")
+def _run_logged(jobs: list[tuple[list[str], dict, Path]], timeout: float, what: str) -> None:
+    """Run every ``(argv, env, log)`` at once (one per node) until all exit 0; on a failure, a timeout or an
+    exception (Ctrl-C) kill the rest and raise, naming the job and its log's tail."""
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + timeout
+    try:
+        for argv, env, log in jobs:
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(PACKAGE_ROOT)))
+        while True:
+            codes = [proc.poll() for proc in procs]
+            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None:
+                where = f" node {failed}" if len(jobs) > 1 else ""
+                raise E2EError(f"{what}:{where} exit {codes[failed]}; log tail:\n{_tail(jobs[failed][2])}")
+            if all(code == 0 for code in codes):
+                return
+            if time.monotonic() > deadline:
+                raise E2EError(f"{what}: no result within {timeout:.0f} s (killed); log tail:\n{_tail(jobs[0][2])}")
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def _tail(path: Path, n: int = 3000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
 
 
-def _run_config(args, ns: ShapedNamespace, method: str, prefetch: bool | None, rate_bits: float | None, tmp: Path, env: dict) -> dict:
+def _jobs(args, ns: ShapedNamespace | NodeCluster, spec_path: Path, label: str, tmp: Path, env: dict) -> list[tuple[list[str], dict, Path]]:
+    """The torchrun command(s) of one configuration: one job in the namespace, or one per node of the cluster."""
+    worker = ["-m", "qaccel.bench._e2e_worker", str(spec_path)]
+    if isinstance(ns, ShapedNamespace):
+        argv = ns.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
+                           "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", "29500", *worker])  # fmt: skip
+        return [(argv, env, tmp / f"{label}.log")]
+    jobs = []
+    for node in range(ns.nodes):  # static rendezvous: node 0's agent hosts the store on its veth address
+        argv = ns.command(node, [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(ns.nodes), "--node_rank", str(node),
+                                 "--nproc_per_node", str(args.nproc_per_node), "--master_addr", ns.address(0),
+                                 "--master_port", "29500", *worker])  # fmt: skip
+        # gloo binds the node's veth address: peers on other nodes reach it over the link, its own node's
+        # ranks over lo (a local address is delivered through the loopback)
+        jobs.append((argv, {**env, "GLOO_SOCKET_IFNAME": ns.interface(node)}, tmp / f"{label}.node{node}.log"))
+    return jobs
+
+
+def _run_config(args, ns: ShapedNamespace | NodeCluster, method: str, prefetch: bool | None, rate_bits: float | None, tmp: Path, env: dict) -> dict:
     spec_m = METHODS[method]
     probe, total = None, args.warmup + args.steps
     if spec_m.schedule_weighted:
@@ -172,18 +230,20 @@ def _run_config(args, ns: ShapedNamespace, method: str, prefetch: bool | None, r
     spec = {"mode": "ranks", "method": method, "prefetch": prefetch, "model": args.model, "lr": args.lr, "threads": args.threads,
             "total_steps": total, "warmup": args.warmup, "compute_steps": args.warmup + args.steps, "probe": probe, "counter_path": TX_BYTES,
             "pg_timeout_s": _timeout(args, rate_bits, 1), "out": str(out)}  # fmt: skip
+    if isinstance(ns, NodeCluster):
+        spec.update(nodes=ns.nodes, nproc_per_node=args.nproc_per_node, node_counters=[ns.counters(k) for k in range(ns.nodes)])
     spec_path = tmp / f"{label}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    argv = ns.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
-                       "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", "29500",
-                       "-m", "qaccel.bench._e2e_worker", str(spec_path)])  # fmt: skip
     before = ns.qdisc_stats()
+    load = os.getloadavg()
     started = time.perf_counter()
-    _run_logged(argv, env, tmp / f"{label}.log", _timeout(args, rate_bits, total + spec["compute_steps"]), label)
+    _run_logged(_jobs(args, ns, spec_path, label, tmp, env), _timeout(args, rate_bits, total + spec["compute_steps"]), label)
     after = ns.qdisc_stats()
     raw = json.loads(out.read_text())
     raw["wall_s"] = time.perf_counter() - started
     raw["qdisc"] = {k: (after[k] - before.get(k, 0)) for k in ("drops", "overlimits", "requeues") if isinstance(after.get(k), int)}
+    if isinstance(ns, NodeCluster):  # other jobs share the CPUs: the 1/5/15-minute load when the configuration started
+        raw["load_average"] = list(load)
     out.write_text(json.dumps(raw))  # with the wall time and qdisc counters, for --from_raw
     return raw
 
@@ -209,10 +269,13 @@ def _command_line(args: argparse.Namespace) -> str:
     parts = ["qaccel", "bench", "e2e"]
     for bandwidth in args.bandwidth:
         parts += ["--bandwidth", bandwidth]
-    if list(args.methods) != list(DEFAULT_METHODS):
+    if args.nodes > 1:
+        parts += ["--nodes", str(args.nodes), "--nproc_per_node", str(args.nproc_per_node)]
+    if list(args.methods) != default_methods(args.nodes):
         parts += ["--methods", ",".join(args.methods)]
+    ranks = ("--world_size", args.world_size, 2) if args.nodes == 1 else ("--world_size", None, None)
     for flag, value, default in (("--prefetch", args.prefetch, "default"), ("--steps", args.steps, 5), ("--warmup", args.warmup, 2),
-                                 ("--world_size", args.world_size, 2), ("--model", args.model, "gpt2-17m"),
+                                 ranks, ("--model", args.model, "gpt2-17m"),
                                  ("--threads", args.threads, 1), ("--lr", args.lr, 1e-4)):  # fmt: skip
         if value != default:
             parts += [flag, str(value)]
@@ -227,6 +290,8 @@ def _row(raw: dict, method: str, prefetch: bool | None, rate: float | None) -> d
     # the slowest rank sets the pace of a synchronous step
     row = report_mod.summarize(raw, method, prefetch, rate, max(raw["compute_median_s_per_rank"]))
     row.update(wall_s=raw.get("wall_s"), qdisc=raw.get("qdisc", {}))
+    if "load_average" in raw:
+        row["load_average"] = raw["load_average"]
     return row
 
 
@@ -239,8 +304,8 @@ def _measure_all(args: argparse.Namespace, rates: list[float | None], configs: l
     env = _child_env(args.threads)
     results: list[dict] = []
     shaping: dict[str, dict | None] = {}
-    with ShapedNamespace() as ns:
-        namespace = ns.name
+    with NodeCluster(args.nodes) if args.nodes > 1 else ShapedNamespace() as ns:
+        cluster = isinstance(ns, NodeCluster)
         for rate in rates:
             params = ns.shape(rate)
             shaping[format_rate(rate)] = params
@@ -255,13 +320,28 @@ def _measure_all(args: argparse.Namespace, rates: list[float | None], configs: l
                     continue
                 row = _row(raw, method, prefetch, rate)
                 results.append(row)
-                _progress(f"{label}: {row['step_s']:.3f} s/step, link {row['link_bytes_per_rank_step'] / 1e6:.2f} MB/rank, "
-                          f"meter {row['meter_bytes_per_rank_step'] / 1e6:.2f} MB/rank ({raw['wall_s']:.0f} s)")  # fmt: skip
-    namespace_info = {"name": namespace, "removed": not ns.exists()}
-    return results, shaping, namespace_info
+                if cluster:
+                    _progress(cluster_report.progress_line(label, row, raw["wall_s"]))
+                else:
+                    _progress(f"{label}: {row['step_s']:.3f} s/step, link {row['link_bytes_per_rank_step'] / 1e6:.2f} MB/rank, "
+                              f"meter {row['meter_bytes_per_rank_step'] / 1e6:.2f} MB/rank ({raw['wall_s']:.0f} s)")  # fmt: skip
+    where = {"names": ns.names, **_cluster_info(ns)} if cluster else {"name": ns.name}
+    return results, shaping, {**where, "removed": not ns.exists()}
 
 
-def _load_raw(folder: Path, rates: list[float | None], configs: list) -> tuple[list[dict], dict, dict]:
+def _cluster_info(cluster: NodeCluster) -> dict:
+    """What the report says about the simulated cluster (addresses, which counter measures what); needs no live cluster."""
+    return {
+        "topology": cluster.topology,
+        "nodes": [{"interface": cluster.interface(k), "address": cluster.address(k)} for k in range(cluster.nodes)],
+        "counters": {"intra_node": "lo tx_bytes of every node, summed", "inter_node": "veth tx_bytes of every node, summed",
+                     "link_time": "the busiest direction: max over nodes of the veth's tx_bytes and rx_bytes"},  # fmt: skip
+        "shaping": "tc tbf on the egress of every veth end: each node's link carries the rate each way (full duplex); "
+                   "every node's loopback is unshaped",  # fmt: skip
+    }
+
+
+def _load_raw(folder: Path, rates: list[float | None], configs: list, nodes: int = 1) -> tuple[list[dict], dict, dict]:
     """Rows from the per-configuration files a run left in ``folder``; a configuration without a result is an error row."""
     if not folder.is_dir():
         raise E2EError(f"--from_raw {folder}: not a folder")
@@ -273,21 +353,52 @@ def _load_raw(folder: Path, rates: list[float | None], configs: list) -> tuple[l
             label = f"{config_label(method, prefetch)}@{format_rate(rate)}"
             path = folder / f"{label}.json"
             if not path.exists():
-                log = folder / f"{label}.log"
+                log = folder / f"{label}.log" if nodes == 1 else folder / f"{label}.node0.log"
                 why = "did not finish: " + _tail(log, 600) if log.exists() else "not run (no result in the folder)"
                 results.append(_error_row(method, prefetch, rate, why))
                 continue
             results.append(_row(json.loads(path.read_text()), method, prefetch, rate))
+    if nodes > 1:
+        return results, shaping, {"names": None, **_cluster_info(NodeCluster(nodes)), "removed": True, "rebuilt_from": str(folder)}
     return results, shaping, {"name": None, "removed": True, "rebuilt_from": str(folder)}
+
+
+def _resolve_topology(args: argparse.Namespace) -> None:
+    """Fill in ``world_size``, ``nproc_per_node`` and ``methods`` from the flags; refuse contradictions (E2EError).
+
+    One node: ``--nproc_per_node`` and ``--world_size`` name the same number (default 2). Several nodes:
+    the job has ``nodes x nproc_per_node`` ranks; ``--world_size``, if given, must agree.
+    """
+    args.nodes = getattr(args, "nodes", 1) or 1
+    nproc, world = getattr(args, "nproc_per_node", None), args.world_size
+    if args.nodes == 1:
+        if nproc is not None and world is not None and nproc != world:
+            raise E2EError(f"--nproc_per_node {nproc} and --world_size {world} disagree: on one node both are the number of ranks")
+        args.world_size = args.nproc_per_node = nproc or world or 2
+        if args.world_size < 2:
+            raise E2EError(f"--nproc_per_node {args.world_size}: one node needs at least 2 ranks (the link joins them)")
+    else:
+        args.nproc_per_node = nproc or 2
+        if world is not None and world != args.nodes * args.nproc_per_node:
+            raise E2EError(f"--world_size {world} != --nodes {args.nodes} x --nproc_per_node {args.nproc_per_node}; "
+                           "leave --world_size out with --nodes")  # fmt: skip
+        args.world_size = args.nodes * args.nproc_per_node
+    if args.methods is None or list(args.methods) == ["all"]:
+        args.methods = default_methods(args.nodes, everything=args.methods is not None)
+    try:
+        check_methods_for_nodes(args.methods, args.nodes)
+    except ValueError as exc:
+        raise E2EError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> dict:
     """Run every configuration at every bandwidth; return the report (also drawn/written when asked)."""
     args.bandwidth = args.bandwidth or ["300mbit"]
+    _resolve_topology(args)
     rates = [parse_rate(b) for b in args.bandwidth]
-    configs = plan_configs(args.methods, args.prefetch)
+    configs = plan_configs(args.methods, args.prefetch, args.nodes)
     if getattr(args, "from_raw", None):
-        results, shaping, namespace = _load_raw(Path(args.from_raw), rates, configs)
+        results, shaping, namespace = _load_raw(Path(args.from_raw), rates, configs, args.nodes)
     else:
         try:
             check_prerequisites()
@@ -317,13 +428,19 @@ def run(args: argparse.Namespace) -> dict:
         "goals": report_mod.evaluate_goals(results),
         "errors": [r["label"] + " @ " + r["bandwidth"] for r in results if "error" in r],
     }
+    drawing = report_mod
+    if args.nodes > 1:  # the cluster's own figures: per-level bytes, its goals, its Markdown section
+        drawing = cluster_report
+        report["settings"].update(nodes=args.nodes, nproc_per_node=args.nproc_per_node)
+        report["namespace"] = namespace
+        report["goals"] = cluster_report.evaluate_goals(results)
     png = args.plot or (str(Path(args.json_path).with_suffix(".png")) if getattr(args, "json_path", None) else None)
     if png and any("step_s" in r for r in results):
-        report_mod.plot(report, png)
+        drawing.plot(report, png)
         report["png"] = png
     if args.markdown:
         image = os.path.relpath(png, Path(args.markdown).resolve().parent) if png else None
-        report_mod.write_markdown(args.markdown, report_mod.render_markdown(report, image))
+        drawing.write_markdown(args.markdown, drawing.render_markdown(report, image))
         report["markdown"] = args.markdown
     return report
 

@@ -155,38 +155,55 @@ def test_smoke_two_ranks_two_methods_on_a_shaped_link(tmp_path):
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nkept text\n") and "| qsdp-w8g8 |" in text
     # --from_raw rebuilds the same rows from the kept per-configuration results, without running anything.
+    rebuilt = rebuild_from_raw(cmd, tmp_path)
+    for label, row in rows.items():
+        assert rebuilt[label]["step_s"] == row["step_s"] and rebuilt[label]["link_bytes_per_step"] == row["link_bytes_per_step"]
+
+
+def rebuild_from_raw(cmd: list[str], tmp_path: Path) -> dict[str, dict]:
+    """Rerun ``cmd`` with ``--from_raw tmp_path/raw`` (nothing runs, no root needed); its rows by label."""
     rebuilt_json = tmp_path / "rebuilt.json"
     rebuild = cmd[: cmd.index("--json")] + ["--json", str(rebuilt_json), "--from_raw", str(tmp_path / "raw")]
     proc = subprocess.run(rebuild, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rebuilt = {r["label"]: r for r in json.loads(rebuilt_json.read_text())["results"]}
-    for label, row in rows.items():
-        assert rebuilt[label]["step_s"] == row["step_s"] and rebuilt[label]["link_bytes_per_step"] == row["link_bytes_per_step"]
+    return {r["label"]: r for r in json.loads(rebuilt_json.read_text())["results"]}
+
+
+def interrupt_once_ranks_run(cmd: list[str], names: list[str], sig: int, ranks: int = 2) -> tuple[int, str, list[str]]:
+    """Start the bench, wait until torchrun and its ``ranks`` ranks run in each of the namespaces ``names``,
+    send ``sig``; return the exit status, stderr and the processes that were inside."""
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    names = [name.format(pid=proc.pid) for name in names]
+    try:
+        deadline = time.monotonic() + 120
+        inside: dict[str, list[str]] = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            if set(names) <= set(_namespaces()):
+                inside = {n: subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split() for n in names}
+                if all(len(pids) >= 1 + ranks for pids in inside.values()):
+                    break
+            time.sleep(0.5)
+        started = inside and all(len(pids) >= 1 + ranks for pids in inside.values())
+        assert started, f"the ranks never started in {names}: {inside} {proc.stderr.read() if proc.poll() is not None else ''}"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not set(names) & set(_namespaces())
+    return proc.returncode, err, [pid for pids in inside.values() for pid in pids]
+
+
+def gone(pid: str) -> bool:
+    """The process has exited (or is a zombie waiting for its parent)."""
+    return not Path(f"/proc/{pid}").exists() or "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
 
 
 @needs_netns
 def test_ctrl_c_removes_the_namespace_and_its_processes(tmp_path):
     cmd = [sys.executable, "-m", "qaccel.cli", "bench", "e2e", "--model", "tiny", "--methods", "ddp-adamw",
            "--steps", "100000", "--bandwidth", "1mbit", "--json", str(tmp_path / "x.json")]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    name = f"qaccel-e2e-{proc.pid}"
-    try:
-        deadline = time.monotonic() + 120
-        inside: list[str] = []
-        while time.monotonic() < deadline and proc.poll() is None:
-            if name in _namespaces():
-                inside = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-                if len(inside) >= 3:  # torchrun and its two ranks
-                    break
-            time.sleep(0.5)
-        assert len(inside) >= 3, f"the ranks never started in {name}: {proc.stderr.read() if proc.poll() is not None else ''}"
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err[-3000:]
+    code, err, inside = interrupt_once_ranks_run(cmd, ["qaccel-e2e-{pid}"], signal.SIGINT)
+    assert code == 130, err[-3000:]
     assert "interrupted" in err
-    assert name not in _namespaces()
-    for pid in inside:
-        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/status").read_text().find("State:\tZ") >= 0
+    assert all(gone(pid) for pid in inside)

@@ -149,7 +149,7 @@ def install_qsdp(
         ValueError: ``model`` has no FSDP2 unit, a unit already has another custom comm or
             all-reduce hook, or ``replica_group`` does not pair this rank's shard group with one rank
             per replica.
-        NotImplementedError: HSDP / 2-D mesh, several param groups in a unit, or a quantized unit
+        NotImplementedError: native HSDP (a 2-D mesh), several param groups in a unit, or a quantized unit
             whose parameters are all-gathered in different dtypes, that uses tensor-subclass
             all-gather extensions, or that was sharded with ``reshard_after_forward=<int>``.
 

@@ -28,14 +28,13 @@ from ..comm import (
     BufferPool,
     CollectiveTally,
     PayloadLayout,
-    PhaseTimer,
     WireCodec,
     WireMeter,
     quantized_all_gather,
     quantized_reduce_scatter,
     ring_all_reduce_bytes,
 )
-from ._comms import UnitPlan
+from ._comms import UnitPlan, _UnitComm
 from ._seeds import Direction, SeedSchedule
 
 __all__ = [
@@ -136,7 +135,7 @@ class ReplicaChunking:
                 shard[p.offset + full * p.piece : p.offset + p.numel].copy_(columns[full, :rest])
 
 
-class ReplicaAllReduce:
+class ReplicaAllReduce(_UnitComm):
     """``FSDPModule.set_all_reduce_hook`` callable: sums a unit's gradient shard over the replica group in place.
 
     Args:
@@ -161,14 +160,9 @@ class ReplicaAllReduce:
         owner: int,
         buffers: BufferPool | None = None,
     ) -> None:
-        self.plan = plan
-        self.codec = codec if plan.enabled else None
-        self.seeds = seeds
-        self.meter = meter
+        super().__init__(plan, codec, seeds, meter, buffers)
         self.group = group
         self.owner = owner
-        self.buffers = buffers
-        self.timer: PhaseTimer | None = None
         self._chunking: dict[tuple[int, torch.dtype], tuple[ReplicaChunking, PayloadLayout]] = {}
 
     def _plan_for(self, numel: int, dtype: torch.dtype) -> tuple[ReplicaChunking, PayloadLayout]:

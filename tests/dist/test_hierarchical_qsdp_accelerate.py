@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests.dist.test_qsdp_accelerate import _differing, _full_params, _launch_env
+from tests.dist.test_qsdp_accelerate import TINY, _differing, _full_params, _launch_env, _step
 
-TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 SAVE_AFTER, END = 2, 4
 
 
@@ -44,15 +43,6 @@ def _plugin(**qsdp):
     from qaccel import QSDPPlugin
 
     return QSDPPlugin(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"], state_dict_type="SHARDED_STATE_DICT", **qsdp)
-
-
-def _step(accelerator, model, optimizer, rank, step):
-    tokens = torch.randint(0, TINY["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(100 * step + rank))
-    loss = model(input_ids=tokens, labels=tokens).loss
-    accelerator.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
 
 
 def _stock_hsdp(mesh):

@@ -14,7 +14,7 @@ def plot(report: dict, png: str) -> None:
     each method's per-seed difference to the baseline in % (mean, min..max band), with the baseline's
     own seed spread (± 1 std) shaded grey."""
     plt = headless_pyplot()
-    panels = [(name, report["tasks"][name]) for name in report["task_order"]]
+    panels = [(name + _mesh(report["tasks"][name]), report["tasks"][name]) for name in report["task_order"]]
     if report.get("long_run"):
         panels.append(("gpt2-tiny, long run", report["long_run"]))
     fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 8), squeeze=False, sharex="col")
@@ -63,6 +63,11 @@ def _ordered(task: dict) -> list[dict]:
     return [task["methods"][key] for key in task["method_order"]]
 
 
+def _mesh(task: dict) -> str:
+    """`` on R replicas x S ranks`` for a hierarchical task, else nothing."""
+    return f" on {task['replicas']} replicas x {task['ranks_per_replica']} ranks" if "replicas" in task else ""
+
+
 def _fmt(value: float | None, digits: int = 4) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "—"
@@ -77,7 +82,7 @@ def markdown(report: dict) -> str:
         # reports made before the study ran qaccel.train evaluated a fixed prefix of the eval split
         held_out = f"{task['eval_examples']} held-out examples" if "eval_examples" in task else "the recipe's eval split"
         lines += [
-            f"#### {name}: {task['steps']} steps, {task['seeds']} seeds, {task['world_size']} ranks, "
+            f"#### {name}: {task['steps']} steps, {task['seeds']} seeds, {task['world_size']} ranks{_mesh(task)}, "
             f"{task['per_device_batch_size']} examples per rank per step, eval on {held_out}",
             "",
         ]
@@ -87,8 +92,9 @@ def markdown(report: dict) -> str:
         if has_acc:
             head += " eval accuracy |"
             rule += "---|"
-        head += " MB sent / step / rank | goal | verdict |"
-        rule += "---|---|---|"
+        inter = any("wire_bytes_inter_node_per_step_per_rank" in m["summary"] for m in task["methods"].values())
+        head += " MB sent / step / rank |" + (" of which across replicas |" if inter else "") + " goal | verdict |"
+        rule += "---|" + ("---|" if inter else "") + "---|---|"
         lines += [head, rule]
         for method in _ordered(task):
             s = method["summary"]
@@ -101,7 +107,10 @@ def markdown(report: dict) -> str:
             if has_acc:
                 row += f" {_fmt(s['final_eval_accuracy_mean'], 3)} ± {_fmt(s['final_eval_accuracy_std'], 3)} |"
             goal = "—" if s["goal_pct"] is None else f"≤ +{s['goal_pct']:g}%"
-            row += f" {s['wire_bytes_per_step_per_rank'] / 1e6:.3f} | {goal} | {s['verdict']} |"
+            row += f" {s['wire_bytes_per_step_per_rank'] / 1e6:.3f} |"
+            if inter:
+                row += f" {s['wire_bytes_inter_node_per_step_per_rank'] / 1e6:.3f} |"
+            row += f" {goal} | {s['verdict']} |"
             lines.append(row)
         lines.append("")
     if report.get("long_run"):

@@ -6,6 +6,11 @@ what the loop wrote: ``metrics.jsonl`` (per-step loss and bytes, eval results at
 ``--eval_steps`` and at the end) and the final checkpoint's ``qaccel_state.json`` (the method config
 the loop resolved). Sharding, batching, masking and evaluation are the loop's; nothing here
 re-implements them, so the study's numbers are the ones a user's run of the same flags prints.
+
+A hierarchical run (``replicas`` > 1) gets its mesh the way ``accelerate launch`` hands it to a
+script: through Accelerate's ``ACCELERATE_USE_PARALLELISM_CONFIG`` / ``PARALLELISM_CONFIG_*``
+variables (what a launch config's ``parallelism_config`` section becomes), which the loop's
+Accelerator reads as ``ParallelismConfig(dp_replicate_size=R, dp_shard_size=world_size / R)``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 from ._convergence_tasks import Method, Task
 
-__all__ = ["loop_flags", "seed_flags", "train_command", "train_run", "read_run"]
+__all__ = ["loop_flags", "seed_flags", "mesh_env", "train_command", "train_run", "read_run"]
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the launched ranks import this qaccel, installed or not
 LAUNCH_LOG = "launch.log"  # the job's stdout and stderr, in its output folder
@@ -61,21 +66,43 @@ def seed_flags(method: Method, seed: int | str) -> list[str]:
     return flags
 
 
+def mesh_env(replicas: int, world_size: int) -> dict[str, str]:
+    """The variables ``accelerate launch`` exports for ``parallelism_config: {dp_replicate_size: R,
+    dp_shard_size: world_size / R, tp_size: 1, cp_size: 1}`` (its ``prepare_extend_env_parallelism_config``,
+    e.g. ``launch_configs/cpu_2x2_hqsdp.yaml``); empty for a 1-D run (``replicas`` 1), which the loop
+    shards over all ranks."""
+    if replicas == 1:
+        return {}
+    return {
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+        "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": str(replicas),
+        "PARALLELISM_CONFIG_DP_SHARD_SIZE": str(world_size // replicas),
+        "PARALLELISM_CONFIG_TP_SIZE": "1",
+        "PARALLELISM_CONFIG_CP_SIZE": "1",
+        "PARALLELISM_CONFIG_CP_BACKEND": "torch",  # accelerate launch's defaults for the unused dimensions
+        "PARALLELISM_CONFIG_SP_SIZE": "1",
+        "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed",
+    }
+
+
 def train_command(flags: list[str], *, world_size: int, output_dir: str | os.PathLike) -> list[str]:
     """``torchrun --standalone`` (a free rendezvous port on localhost) of ``python -m qaccel.train``."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size)]
     return [*launcher, "-m", "qaccel.train", *flags, "--output_dir", str(output_dir)]
 
 
-def _launch_env() -> dict[str, str]:
+def _launch_env(mesh: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_DROPPED_ENV)}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")  # CPU ranks over gloo, one thread each
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(mesh)  # after the drop of outer ACCELERATE_* settings: the study's own mesh
     return env
 
 
-def train_run(method: Method, seed: int, flags: list[str], *, world_size: int, output_dir: Path, timeout_s: float) -> dict:
+def train_run(method: Method, seed: int, flags: list[str], *, world_size: int, output_dir: Path, timeout_s: float, replicas: int = 1) -> dict:
     """Launch one training job and return its run record (see :func:`read_run`) plus its wall time.
+
+    ``replicas`` > 1 launches it on a hierarchical mesh (:func:`mesh_env`).
 
     Raises:
         RuntimeError: the job failed or ran past ``timeout_s`` (the message has the command and
@@ -87,7 +114,8 @@ def train_run(method: Method, seed: int, flags: list[str], *, world_size: int, o
     started = time.perf_counter()
     with open(log, "w") as out:
         # Its own session: on a timeout or Ctrl-C the launcher and its ranks go down together.
-        proc = subprocess.Popen(command, env=_launch_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        env = _launch_env(mesh_env(replicas, world_size))
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout_s)
         except BaseException as exc:
@@ -98,21 +126,23 @@ def train_run(method: Method, seed: int, flags: list[str], *, world_size: int, o
             raise
     if code != 0:
         raise RuntimeError(f"{shlex.join(command)}: exit {code}; log tail:\n{_tail(log)}")
-    return {**read_run(output_dir, seed), "seconds": round(time.perf_counter() - started, 1)}
+    return {**read_run(output_dir, seed, inter_node=replicas > 1), "seconds": round(time.perf_counter() - started, 1)}
 
 
 def _tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:]
 
 
-def read_run(output_dir: Path, seed: int) -> dict:
+def read_run(output_dir: Path, seed: int, *, inter_node: bool = False) -> dict:
     """A finished ``qaccel.train`` run's record, from the files the loop wrote in ``output_dir``.
 
     Returns:
         ``seed``; ``train_loss`` (per optimizer step, mean over ranks); ``eval`` (per evaluation:
         ``step`` and the loop's ``eval_*`` results, step 0 being the untrained model);
         ``sent_bytes`` (rank 0's training traffic, evaluation excluded); ``train_seconds`` (sum of
-        the loop's step times); ``config`` (the method config in the final checkpoint).
+        the loop's step times); ``config`` (the method config in the final checkpoint); with
+        ``inter_node`` (a hierarchical run), ``sent_bytes_inter_node``: the part of ``sent_bytes``
+        that crossed replicas (the loop's ``wire_bytes_inter_node``, summed over steps).
 
     Raises:
         RuntimeError: ``metrics.jsonl`` lacks a step, or the final checkpoint is missing.
@@ -132,7 +162,7 @@ def read_run(output_dir: Path, seed: int) -> dict:
         raise RuntimeError(f"{output_dir}: no final checkpoint from qaccel.train ({err})") from None
     evals = [row for row in rows if "eval_loss" in row]
     # float(): metrics.jsonl writes NaN and inf as strings
-    return {
+    record = {
         "seed": seed,
         "train_loss": [float(row["loss"]) for row in train],
         "eval": [{"step": row["step"], **{k: float(v) for k, v in row.items() if k.startswith("eval_") and k != "eval_wire_bytes"}} for row in evals],
@@ -140,3 +170,6 @@ def read_run(output_dir: Path, seed: int) -> dict:
         "train_seconds": round(sum(row["step_seconds"] for row in train), 2),
         "config": state["method_config"],
     }
+    if inter_node:
+        record["sent_bytes_inter_node"] = sum(row["wire_bytes_inter_node"] for row in train)
+    return record

@@ -5,6 +5,12 @@ flags, to fit many runs on a small machine (steps, batch, warm-up, eval interval
 either a QSDP variant on FSDP2 or an optimizer on DDP; every task has exactly one uncompressed
 baseline, against which the others are compared. Method settings other than those named here come
 from the recipe, as in any ``python -m qaccel.train --recipe NAME`` run.
+
+On a hierarchical mesh (``--replicas R > 1``: R replicas, each sharded over its own ranks, as
+Accelerate's ``ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)``) an FSDP2 task runs its
+``hsdp_methods`` instead: stock HSDP as the baseline and hierarchical QSDP variants, which quantize
+within a replica (``weight_bits``/``grad_bits``) and across replicas (``replica_grad_bits``). DDP
+tasks have none: their optimizers all-reduce over one flat group.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Method", "Task", "TASKS", "task_by_name", "select_methods"]
+__all__ = ["Method", "Task", "TASKS", "task_by_name", "task_methods", "select_methods", "hierarchical_tasks"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,7 @@ class Task:
     per_device_batch_size: int  # --per_device_batch_size
     methods: tuple[Method, ...]
     why: str  # one line: why these settings
+    hsdp_methods: tuple[Method, ...] = ()  # on a hierarchical mesh (--replicas R > 1); empty: the task has none
 
     @property
     def baseline(self) -> Method:
@@ -70,6 +77,21 @@ _QSDP_METHODS = (
         goal_pct=2.0,
     ),
 )
+# --method none on a hierarchical launch is stock HSDP: FSDP2 within a replica, an exact fp32 all-reduce across.
+_HSDP_METHODS = (
+    Method("hsdp", "stock HSDP fp32", "none", baseline=True),
+    *(
+        Method(f"hqsdp-w8g8-r{bits}", f"hierarchical QSDP W8G8, {bits}-bit across replicas", "qsdp", {"weight_bits": 8, "grad_bits": 8, "replica_grad_bits": bits}, goal_pct=1.0)
+        for bits in (4, 8)
+    ),
+    Method(
+        "hqsdp-off-r4",
+        "hierarchical QSDP, exact within a replica, 4-bit across",
+        "qsdp",
+        {"weight_bits": None, "grad_bits": None, "replica_grad_bits": 4},
+        goal_pct=1.0,
+    ),
+)
 _ONEBIT_METHODS = (
     Method("adamw", "DDP AdamW", "none", baseline=True),
     Method("zero_one_adam", "0/1 Adam", "zero_one_adam", goal_pct=2.0),
@@ -85,6 +107,7 @@ TASKS: dict[str, Task] = {
         per_device_batch_size=4,
         methods=_QSDP_METHODS,
         why="recipe settings (AdamW 1e-3, cosine), 16 warm-up steps, 50 steps of 2 x 4 sequences of 128 tokens (the recipe: 300 of 2 x 8); eval on the recipe's whole eval split",
+        hsdp_methods=_HSDP_METHODS,
     ),
     "bert-tiny": Task(
         name="bert-tiny",
@@ -113,14 +136,48 @@ def task_by_name(name: str) -> Task:
     return TASKS[name]
 
 
-def select_methods(task: Task, keys: list[str] | None) -> tuple[Method, ...]:
-    """The task's methods named in ``keys`` (all when None); the baseline is always kept."""
-    if not keys:
+def hierarchical_tasks() -> list[str]:
+    """The tasks that run on a hierarchical mesh (those with ``hsdp_methods``)."""
+    return [name for name, task in TASKS.items() if task.hsdp_methods]
+
+
+def task_methods(task: Task, replicas: int = 1) -> tuple[Method, ...]:
+    """The task's methods on a 1-D mesh (``replicas`` 1) or on a hierarchical one (``replicas`` > 1).
+
+    Raises:
+        ValueError: ``replicas`` > 1 for a task without hierarchical methods (its methods run on DDP).
+    """
+    if replicas == 1:
         return task.methods
-    known = {m.key for m in task.methods}
-    everywhere = {m.key for t in TASKS.values() for m in t.methods}
-    unknown = sorted(set(keys) - everywhere)
+    if not task.hsdp_methods:
+        labels = ", ".join(m.label for m in task.methods)
+        raise ValueError(
+            f"--replicas {replicas}: task {task.name} runs on DDP ({labels}), which has no hierarchical variant; "
+            f"hierarchical runs need FSDP2-based methods: choose --tasks {' '.join(hierarchical_tasks())}, or --replicas 1"
+        )
+    return task.hsdp_methods
+
+
+def select_methods(task: Task, keys: list[str] | None, replicas: int = 1) -> tuple[Method, ...]:
+    """The task's methods (for the mesh ``replicas`` asks for) named in ``keys`` (all when None); the baseline is always kept."""
+    methods = task_methods(task, replicas)
+    if not keys:
+        return methods
+    known = {m.key for m in methods}
+    flat = {m.key for t in TASKS.values() for m in t.methods}
+    hierarchical = {m.key for t in TASKS.values() for m in t.hsdp_methods}
+    unknown = sorted(set(keys) - flat - hierarchical)
     if unknown:
-        raise ValueError(f"--methods: unknown {unknown}; known methods: {', '.join(sorted(everywhere))}")
+        raise ValueError(
+            f"--methods: unknown {unknown}; known methods: {', '.join(sorted(flat))} (1-D), {', '.join(sorted(hierarchical))} (--replicas R > 1)"
+        )
+    other_mesh = sorted(set(keys) & (flat if replicas > 1 else hierarchical))
+    if other_mesh:
+        needs = (
+            f"a 1-D mesh (--replicas 1); with --replicas {replicas} choose from {', '.join(m.key for m in methods)}"
+            if replicas > 1
+            else "a hierarchical mesh (--replicas R > 1)"
+        )
+        raise ValueError(f"--methods {' '.join(other_mesh)}: run(s) on {needs}")
     chosen = set(keys) & known
-    return tuple(m for m in task.methods if m.baseline or m.key in chosen)
+    return tuple(m for m in methods if m.baseline or m.key in chosen)

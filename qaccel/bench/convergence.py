@@ -10,6 +10,12 @@ noise. Reported per method: final eval loss mean ± std over seeds, its differen
 goals (W8G8 +1%, W4G4 +2%, 0/1 Adam +2% of the baseline, and within its seed spread). An optional long
 single-seed run of the tiny GPT (``--long_steps``) shows whether gaps close or grow.
 
+``--replicas R`` (R > 1) runs the FSDP2 tasks on a hierarchical mesh instead: R replicas of
+``--world_size / R`` ranks each, handed to every run through Accelerate's ``PARALLELISM_CONFIG_*``
+variables as ``accelerate launch`` hands a launch config's ``parallelism_config`` to a script. The
+methods are then stock HSDP (the baseline, ``--method none``) and hierarchical QSDP variants (goal
++1% each); DDP tasks have no hierarchical variant and are refused.
+
 Run folders go to ``--runs_dir`` (kept: ``metrics.jsonl``, the final checkpoint, ``launch.log``) or
 to a temporary folder that is removed run by run.
 """
@@ -30,8 +36,8 @@ from pathlib import Path
 import torch
 
 from . import _convergence_report, _convergence_stats
-from ._convergence_run import loop_flags, seed_flags, train_command, train_run
-from ._convergence_tasks import TASKS, Method, Task, select_methods, task_by_name
+from ._convergence_run import loop_flags, mesh_env, seed_flags, train_command, train_run
+from ._convergence_tasks import TASKS, Method, Task, hierarchical_tasks, select_methods, task_by_name, task_methods
 
 __all__ = ["add_arguments", "run", "LONG_METHODS"]
 
@@ -52,10 +58,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long_only", action="store_true", help="run only the long gpt2-tiny run (with --long_steps)")
     parser.add_argument("--quick", action="store_true", help="a few steps and 2 seeds: checks the pipeline, not convergence")
     parser.add_argument("--world_size", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument(
+        "--replicas", type=int, default=1,
+        help="hierarchical mesh: this many replicas of world_size/replicas sharded ranks (Accelerate's dp_replicate_size); "
+        "runs stock HSDP vs hierarchical QSDP on the FSDP2 tasks (default 1: every rank in one shard group)",
+    )  # fmt: skip
     parser.add_argument("--runs_dir", default=None, help="keep each run's folder here: TASK/METHOD/seed-N (default: a temporary folder, removed)")
     parser.add_argument("--plot", default=None, help="write the PNG here (default: next to --json)")
     parser.add_argument("--markdown", default=None, help="write the Markdown tables here")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="combine reports of earlier runs (e.g. one per task) instead of training")
+
+
+def _check_mesh(replicas: int, world_size: int, long_steps: int) -> None:
+    """``--replicas`` against ``--world_size``: R replicas of at least 2 sharded ranks each."""
+    if replicas < 1:
+        raise ValueError(f"--replicas={replicas}: must be >= 1 (1: a 1-D mesh)")
+    if replicas == 1:
+        return
+    if world_size % replicas:
+        raise ValueError(
+            f"--replicas {replicas}: --world_size {world_size} is not divisible by it (world size = replicas x ranks per replica)"
+        )
+    if world_size // replicas < 2:
+        raise ValueError(
+            f"--replicas {replicas}: --world_size {world_size} leaves {world_size // replicas} rank per replica; hierarchical "
+            f"runs shard within each replica, so they need >= 2 ranks per replica (e.g. --world_size {2 * replicas})"
+        )
+    if long_steps:
+        raise ValueError(
+            f"--long_steps {long_steps}: the long run is 1-D (FSDP2 vs W8G8 vs W4G4); drop it or --replicas {replicas}"
+        )
 
 
 def _check(args: argparse.Namespace) -> tuple[list[str], int]:
@@ -63,7 +95,8 @@ def _check(args: argparse.Namespace) -> tuple[list[str], int]:
         raise ValueError("--long_only: needs --long_steps N (N >= 1)")
     if args.long_only and args.tasks:
         raise ValueError(f"--long_only: runs gpt2-tiny's long run only; drop --tasks {' '.join(args.tasks)}")
-    tasks = [] if args.long_only else args.tasks or list(TASKS)
+    _check_mesh(args.replicas, args.world_size, args.long_steps)
+    tasks = [] if args.long_only else args.tasks or (list(TASKS) if args.replicas == 1 else hierarchical_tasks())
     for name in tasks:
         task_by_name(name)  # names the bad value
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if args.quick else 5)
@@ -74,7 +107,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], int]:
         if value is not None and value < 1:
             raise ValueError(f"{flag}={value}: must be >= 1")
     for name in tasks:
-        select_methods(TASKS[name], args.methods)  # unknown method names fail here, before any rank starts
+        select_methods(TASKS[name], args.methods, args.replicas)  # unknown method names (or DDP tasks on 2 levels) fail here, before any rank starts
     return tasks, seeds
 
 
@@ -144,7 +177,7 @@ def _measure(args: argparse.Namespace) -> dict:
         steps = args.steps or (task.quick_steps if args.quick else task.steps)
         eval_every = args.eval_every or (max(1, steps // 2) if args.quick else task.eval_every)
         settings[name] = {"steps": steps, "eval_every": eval_every}
-        jobs += [(name, task, method, seeds, steps, eval_every) for method in select_methods(task, args.methods)]
+        jobs += [(name, task, method, seeds, steps, eval_every) for method in select_methods(task, args.methods, args.replicas)]
     if args.long_steps:
         long_eval = max(1, args.long_steps // 20)
         jobs += [(LONG_FOLDER, TASKS["gpt2-tiny"], m, [0], args.long_steps, long_eval) for m in TASKS["gpt2-tiny"].methods if m.key in LONG_METHODS]
@@ -156,14 +189,17 @@ def _measure(args: argparse.Namespace) -> dict:
     logger.info("bench convergence: %d jobs (%s) x %d seeds on %d CPU ranks, runs in %s", len(jobs), ", ".join(tasks), num_seeds, args.world_size, root)
     started = time.perf_counter()
     try:
-        results = [_train_seeds(folder, *job[1:], world_size=args.world_size, keep=bool(args.runs_dir)) for folder, job in zip(folders, jobs, strict=True)]
+        results = [
+            _train_seeds(folder, *job[1:], world_size=args.world_size, replicas=args.replicas, keep=bool(args.runs_dir))
+            for folder, job in zip(folders, jobs, strict=True)
+        ]
     finally:
         if not args.runs_dir:
             shutil.rmtree(root, ignore_errors=True)
     report: dict = {
         "benchmark": "convergence",
         "commands": [_command_line(args)],
-        "machine": _machine(args.world_size),
+        "machine": _machine(args.world_size, args.replicas),
         "seeds": seeds,
         "quick": bool(args.quick),
         "task_order": tasks,
@@ -180,11 +216,12 @@ def _measure(args: argparse.Namespace) -> dict:
             **settings[name],
             "seeds": num_seeds,
             "world_size": args.world_size,
+            **({"replicas": args.replicas, "ranks_per_replica": args.world_size // args.replicas} if args.replicas > 1 else {}),
             "per_device_batch_size": task.per_device_batch_size,
             "why": task.why,
-            "baseline": task.baseline.key,
+            "baseline": next(m.key for m in task_methods(task, args.replicas) if m.baseline),
             "method_order": [r["method"] for r in mine],  # the JSON is written with sorted keys
-            "methods": _methods(task.methods, mine),
+            "methods": _methods(task_methods(task, args.replicas), mine),
         }
     if long:
         report["long_run"] = {
@@ -197,22 +234,36 @@ def _measure(args: argparse.Namespace) -> dict:
     return report
 
 
-def _train_seeds(folder: Path, task: Task, method: Method, seeds: list[int], steps: int, eval_every: int, *, world_size: int, keep: bool) -> dict:
-    """One ``qaccel.train`` job per seed in ``folder/seed-N``; each folder is removed after reading unless ``keep``."""
+def _train_seeds(
+    folder: Path,
+    task: Task,
+    method: Method,
+    seeds: list[int],
+    steps: int,
+    eval_every: int,
+    *,
+    world_size: int,
+    replicas: int = 1,
+    keep: bool,
+) -> dict:
+    """One ``qaccel.train`` job per seed in ``folder/seed-N`` (on a hierarchical mesh if ``replicas`` > 1);
+    each folder is removed after reading unless ``keep``."""
     flags = loop_flags(task, method, steps=steps, eval_every=eval_every)
     runs = []
     for seed in seeds:
         output_dir = folder / f"seed-{seed}"
-        run = train_run(method, seed, flags, world_size=world_size, output_dir=output_dir, timeout_s=600 + 20 * steps)
+        run = train_run(method, seed, flags, world_size=world_size, output_dir=output_dir, timeout_s=600 + 20 * steps, replicas=replicas)
         runs.append(run)
         if not keep:  # checkpoints of the pretrained MiniLM are hundreds of MB; the record is all the study needs
             shutil.rmtree(output_dir)
         # progress on stderr whatever the log level: a full study takes an hour
         print(f"bench convergence: {task.name} {method.key} seed {seed}: eval loss {run['eval'][-1]['eval_loss']:.4f} "
               f"after {steps} steps ({run['seconds']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
-    # The loop's command line for this method, as a user would type it (torchrun is the launcher the study ran).
+    # The loop's command line for this method, as a user would type it (torchrun is the launcher the study ran;
+    # a hierarchical mesh travels in the environment, as accelerate launch passes it).
     launched = train_command([*flags, *seed_flags(method, "SEED")], world_size=world_size, output_dir="RUN_DIR")
-    command = shlex.join(["torchrun", *launched[3:]])  # launched[:3]: this interpreter's `-m torch.distributed.run`
+    mesh = [f"{name}={value}" for name, value in mesh_env(replicas, world_size).items()]
+    command = shlex.join([*mesh, "torchrun", *launched[3:]])  # launched[:3]: this interpreter's `-m torch.distributed.run`
     return {"task": task.name, "method": method.key, "runs": runs, "train_command": command}
 
 
@@ -236,6 +287,9 @@ def _methods(methods: tuple[Method, ...], results: list[dict]) -> dict:
             "eval_curve": _convergence_stats.curve_band(runs),
             "summary": _convergence_stats.summarize_method(runs, by_key[base_key]["runs"], method.goal_pct, is_baseline=method.baseline),
         }
+        if "sent_bytes_inter_node" in runs[0]:  # a hierarchical run: the part of the traffic that crossed replicas
+            per_step = [run["sent_bytes_inter_node"] / len(run["train_loss"]) for run in runs]
+            out[method.key]["summary"]["wire_bytes_inter_node_per_step_per_rank"] = sum(per_step) / len(per_step)
     return out
 
 
@@ -256,6 +310,8 @@ def _command_line(args: argparse.Namespace) -> str:
         parts.append("--quick")
     if args.world_size != 2:
         parts += ["--world_size", str(args.world_size)]
+    if args.replicas != 1:
+        parts += ["--replicas", str(args.replicas)]
     if args.runs_dir:
         parts += ["--runs_dir", args.runs_dir]
     for flag, value in (("--json", getattr(args, "json_path", None)), ("--plot", args.plot), ("--markdown", args.markdown)):
@@ -264,10 +320,10 @@ def _command_line(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _machine(world_size: int) -> dict:
+def _machine(world_size: int, replicas: int = 1) -> dict:
     import os
 
-    return {
+    machine = {
         "cpu": _cpu_model(),
         "logical_cpus": os.cpu_count(),
         "ranks": world_size,
@@ -278,6 +334,14 @@ def _machine(world_size: int) -> dict:
         "torch": torch.__version__,
         "platform": platform.platform(),
     }
+    if replicas > 1:
+        machine["launcher"] += (
+            " with PARALLELISM_CONFIG_* in the environment (as accelerate launch exports a launch config's parallelism_config)"
+        )
+        machine["mesh"] = (
+            f"{replicas} replicas x {world_size // replicas} ranks (dp_replicate_size x dp_shard_size), all on this machine"
+        )
+    return machine
 
 
 def _cpu_model() -> str:

@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     e2e_bench.add_arguments(e2e_parser)
     e2e_parser.set_defaults(func=_run_e2e)
 
-    convergence_parser = kinds.add_parser("convergence", help="eval loss vs the uncompressed baseline over seeds: QSDP, 0/1 Adam, 1-bit Adam")
+    convergence_parser = kinds.add_parser("convergence", help="eval loss vs the uncompressed baseline over seeds: QSDP (also hierarchical, --replicas), 0/1 Adam, 1-bit Adam")
     convergence_parser.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     from ..bench import convergence as convergence_bench
 

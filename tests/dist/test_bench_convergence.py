@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from qaccel.bench._convergence_run import loop_flags, seed_flags
+from qaccel.bench._convergence_run import loop_flags, mesh_env, seed_flags
 from qaccel.bench._convergence_tasks import TASKS
 from qaccel.cli import main
 
@@ -209,3 +209,110 @@ def test_a_run_folder_is_never_overwritten(tmp_path):
     (tmp_path / "gpt2-tiny" / "w4g4" / "seed-0").mkdir(parents=True)
     with pytest.raises(ValueError, match=re.escape(f"--runs_dir {tmp_path}: {tmp_path / 'gpt2-tiny' / 'w4g4'} already exist")):
         main(["bench", "convergence", "--tasks", "gpt2-tiny", "--methods", "w4g4", "--runs_dir", str(tmp_path)])
+
+
+# ---- hierarchical mesh (--replicas R > 1): stock HSDP vs hierarchical QSDP ----------------------------------
+
+
+def test_hierarchical_mesh_is_what_accelerate_launch_exports():
+    """The study's mesh variables are the ones ``accelerate launch`` exports for launch_configs/cpu_2x2_hqsdp.yaml
+    (Accelerate's own launcher code computes the reference), and Accelerate reads them as a 2 x 2 HSDP mesh."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.launch import prepare_extend_env_parallelism_config
+
+
+    launch_args = launch_command_parser().parse_args(["--config_file", str(REPO / "launch_configs" / "cpu_2x2_hqsdp.yaml"), "train.py"])
+    launch_args, _, _ = _validate_launch_command(launch_args)
+    assert mesh_env(2, 4) == prepare_extend_env_parallelism_config(launch_args, {})
+    assert mesh_env(1, 4) == {}  # the 1-D study's runs get no mesh variables: unchanged
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in mesh_env(2, 4).items():
+            mp.setenv(name, value)
+        config = ParallelismConfig()
+        assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size) == (2, 2, 1, 1)
+
+
+def test_hierarchical_methods_resolve_in_the_training_loop_as_meant(tmp_path, monkeypatch):
+    """No launch: under the mesh variables, each hierarchical method's flags become the intended plan; the baseline is
+    ``--method none`` (stock HSDP: every codec off, the replica all-reduce exact)."""
+    from qaccel.bench._convergence_tasks import select_methods
+    from qaccel.train import check_inputs, parse_args
+
+    for name, value in mesh_env(2, 4).items():
+        monkeypatch.setenv(name, value)
+    spec = TASKS["gpt2-tiny"]
+    methods = select_methods(spec, None, replicas=2)
+    assert [m.key for m in methods] == ["hsdp", "hqsdp-w8g8-r4", "hqsdp-w8g8-r8", "hqsdp-off-r4"]
+    expected = {  # (weight_bits, grad_bits, replica_grad_bits), as the issue names the methods
+        "hsdp": (None, None, None),
+        "hqsdp-w8g8-r4": (8, 8, 4),
+        "hqsdp-w8g8-r8": (8, 8, 8),
+        "hqsdp-off-r4": (None, None, 4),
+    }
+    for method in methods:
+        args = parse_args([*loop_flags(spec, method, steps=spec.steps, eval_every=spec.eval_every), *seed_flags(method, 3), "--output_dir", str(tmp_path)])
+        plan = check_inputs(args, world_size=4).plan
+        assert (plan.method, plan.parallelism) == (("none" if method.key == "hsdp" else "qsdp"), "fsdp2"), method.key
+        assert (plan.qsdp.weight_bits, plan.qsdp.grad_bits, plan.qsdp.replica_grad_bits) == expected[method.key], method.key
+        assert method.baseline == (method.key == "hsdp") and method.goal_pct == (None if method.baseline else 1.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replicas", "0"], "--replicas=0: must be >= 1"),
+        (["--replicas", "3", "--world_size", "4"], "--replicas 3: --world_size 4 is not divisible by it"),
+        (["--replicas", "2"], "--replicas 2: --world_size 2 leaves 1 rank per replica"),
+        (["--replicas", "2", "--world_size", "4", "--tasks", "bert-tiny"], "--replicas 2: task bert-tiny runs on DDP .*no hierarchical variant"),
+        (["--replicas", "2", "--world_size", "4", "--methods", "w8g8"], "--methods w8g8: run.* on a 1-D mesh"),
+        (["--methods", "hqsdp-w8g8-r4"], r"--methods hqsdp-w8g8-r4: run.* on a hierarchical mesh \(--replicas R > 1\)"),
+        (["--replicas", "2", "--world_size", "4", "--long_steps", "10"], "--long_steps 10: the long run is 1-D"),
+    ],
+)
+def test_bad_hierarchical_arguments_name_the_value(argv, message):
+    with pytest.raises(ValueError, match=message):
+        main(["bench", "convergence", *argv])
+
+
+@pytest.mark.slow  # two 4-rank launches on 2 cores: about 2 minutes; the planning tests above run in the default tier
+def test_quick_hierarchical_study_runs_on_two_replicas_against_stock_hsdp(tmp_path, monkeypatch_module):
+    """One seed, stock HSDP vs hierarchical QSDP W8G8 r4 on 2 replicas x 2 ranks: two launches of the user's loop.
+
+    What the loop itself wrote says the runs were hierarchical (its start line), that the baseline is stock HSDP
+    (``--method none``, every codec off) and that the 4-bit replica all-reduce moved fewer bytes across replicas."""
+    runs = tmp_path / "runs"
+    argv = ["bench", "convergence", "--quick", "--replicas", "2", "--world_size", "4", "--methods", "hqsdp-w8g8-r4", "--seeds", "1", "--steps", "2", "--eval_every", "2"]
+    assert main([*argv, "--runs_dir", str(runs), "--json", str(tmp_path / "h.json"), "--markdown", str(tmp_path / "h.md")]) == 0
+    report = json.loads((tmp_path / "h.json").read_text())
+    task = report["tasks"]["gpt2-tiny"]
+    assert (task["world_size"], task["replicas"], task["ranks_per_replica"], task["baseline"]) == (4, 2, 2, "hsdp")
+    assert task["method_order"] == ["hsdp", "hqsdp-w8g8-r4"]
+    assert "#### gpt2-tiny: 2 steps, 1 seeds, 4 ranks on 2 replicas x 2 ranks" in (tmp_path / "h.md").read_text()
+    inter = {}
+    for key, method in task["methods"].items():
+        run_dir = runs / "gpt2-tiny" / key / "seed-0"
+        assert "on fsdp2 (hierarchical: 2 replicas x 2 shards), 4 processes" in (run_dir / "launch.log").read_text(), key
+        state = json.loads((run_dir / "checkpoint-2" / "qaccel_state.json").read_text())
+        assert state["world_size"] == 4 and state["extra"]["parallelism"] == "fsdp2"
+        if key == "hsdp":  # --method none: the recipe's FSDP2, no codec
+            assert state["method"] == "none" and state["method_config"] == {"parallelism": "fsdp2"}
+        else:
+            config = state["method_config"]
+            assert state["method"] == "qsdp" and (config["weight_bits"], config["grad_bits"], config["replica_grad_bits"]) == (8, 8, 4)
+        rows = [r for r in loop_rows(run_dir) if r["step"] >= 1]
+        assert method["runs"][0]["sent_bytes_inter_node"] == sum(r["wire_bytes_inter_node"] for r in rows) > 0
+        inter[key] = method["summary"]["wire_bytes_inter_node_per_step_per_rank"]
+        words = shlex.split(method["train_command"])
+        mesh = [f"{k}={v}" for k, v in mesh_env(2, 4).items()]  # the hierarchical mesh, as accelerate launch exports it
+        assert words[: len(mesh)] == mesh and words[len(mesh) : len(mesh) + 2] == ["torchrun", "--standalone"]
+    # Stock HSDP sends an exact fp32 all-reduce of each rank's gradient shard across the 2 replicas: a ring all-reduce
+    # sends 2 (R - 1) / R = 1 shard per rank per step. The shard, from the recipe's model (FSDP2 pads dim 0 to 2 rows).
+    from qaccel.zoo import load_model, load_recipe, load_tokenizer
+
+    recipe = load_recipe("gpt2-tiny")
+    model = load_model(recipe, load_tokenizer(recipe, None))
+    shard = sum(math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0]) for p in model.parameters())
+    assert inter["hsdp"] == 4 * shard
+    # 4-bit codes and their bucket metadata across replicas, against fp32: between 1/8 and 1/4 of stock HSDP's
+    assert inter["hsdp"] / 8 < inter["hqsdp-w8g8-r4"] < inter["hsdp"] / 4

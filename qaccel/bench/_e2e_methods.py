@@ -47,6 +47,11 @@ class Method:
             FSDP2 on the intra-node mesh, qaccel's all-reduce across the replica group). The last two need
             several nodes.
         replica_grad_bits: hierarchical QSDP's bits per gradient across nodes (``None``: exact fp32).
+        reduce_scatter: ``"fsdp"`` (the installed comm's own) or ``"alltoall"``: qaccel's exact
+            :func:`qaccel.comm.alltoall_reduce_scatter` in place of gloo's, which all-reduces the whole
+            buffer (pytorch/pytorch#118911): the fair fp32 baseline, a true reduce-scatter.
+        ddp_buckets: DDP's gradient buckets: ``"default"`` or ``"one"`` (a cap that holds the whole model).
+            PowerSGD needs one on gloo: torch's hook deadlocks there with several (``docs/powersgd_gloo.md``).
     """
 
     name: str
@@ -58,6 +63,8 @@ class Method:
     meter: str = "qaccel"
     mesh: str = "flat"
     replica_grad_bits: int | None = None
+    reduce_scatter: str = "fsdp"
+    ddp_buckets: str = "default"
 
     @property
     def needs_nodes(self) -> bool:
@@ -72,6 +79,7 @@ class Method:
 
 _TABLE = (
     Method("fsdp2-fp32", "FSDP2 fp32", "fsdp", meter="ring"),
+    Method("fsdp2-fp32-a2a", "FSDP2 fp32, true reduce-scatter", "fsdp", qsdp=(None, None), reduce_scatter="alltoall"),
     Method("fsdp2-bf16", "FSDP2 bf16 (params and reductions)", "fsdp", compute="bf16", meter="ring"),
     Method("qsdp-off", "qaccel comms, compression off", "fsdp", qsdp=(None, None)),
     Method("qsdp-w8g8", "QSDP W8G8", "fsdp", qsdp=(8, 8)),
@@ -79,7 +87,7 @@ _TABLE = (
     Method("qsdp-w4g4", "QSDP W4G4", "fsdp", qsdp=(4, 4)),
     Method("qsdp-w4g4-bf16", "QSDP W4G4, bf16 compute", "fsdp", compute="bf16", qsdp=(4, 4)),
     Method("ddp-adamw", "DDP AdamW", "ddp", ddp="adamw"),
-    Method("ddp-powersgd", "DDP AdamW + PowerSGD hook (rank 1)", "ddp", ddp="powersgd", meter="ring"),
+    Method("ddp-powersgd", "DDP AdamW + PowerSGD hook (rank 1, one DDP bucket)", "ddp", ddp="powersgd", meter="ring", ddp_buckets="one"),
     Method("ddp-bf16", "DDP AdamW + bf16 compression hook", "ddp", ddp="bf16", meter="ring"),
     Method("onebit-adam", "1-bit Adam", "ddp", ddp="onebit"),
     Method("zero-one-adam", "0/1 Adam", "ddp", ddp="zero_one"),
@@ -94,8 +102,9 @@ METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
 DEFAULT_METHODS: tuple[str, ...] = tuple(name for name, m in METHODS.items() if not m.needs_nodes)
 # several nodes, by default: the issue's comparison (stock FSDP2 and QSDP over all ranks, stock and hierarchical HSDP)
 NODES_DEFAULT_METHODS: tuple[str, ...] = ("fsdp2-fp32", "hsdp-fp32", "qsdp-w8g8", "hqsdp-w8g8-r8", "hqsdp-w8g8-r4", "hqsdp-off-r4")
-# --prefetch default: both settings for the two methods the overlap question is about, off elsewhere.
-PREFETCH_DEFAULT = {"fsdp2-fp32": (False, True), "qsdp-w8g8": (False, True)}
+# --prefetch default: both settings for the two methods the overlap question is about and for the fair fp32
+# baseline they are compared with, off elsewhere.
+PREFETCH_DEFAULT = {"fsdp2-fp32": (False, True), "fsdp2-fp32-a2a": (False, True), "qsdp-w8g8": (False, True)}
 
 # Model shapes. gpt2-17m: 17.4M parameters, sized so that stock FSDP2 fp32 spends most of its step on a
 # 300 Mbit/s link communicating (see BENCHMARKS.md). "tiny" is for the smoke test.

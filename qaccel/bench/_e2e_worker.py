@@ -148,17 +148,55 @@ def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetc
             config = qfsdp.QSDPConfig(weight_bits=weight_bits, grad_bits=grad_bits, replica_grad_bits=method.replica_grad_bits, prefetch=prefetch)
         handle = qfsdp.install_qsdp(model, config, optimizers=[optimizer], meter=meter, replica_group=replica_group)
         info["units"] = handle.describe()
+        if method.reduce_scatter == "alltoall":
+            for unit, installed in zip(handle.units, handle.reduce_scatters, strict=True):
+                for module in unit.modules:
+                    module.set_custom_reduce_scatter(_alltoall_reduce_scatter_comm(installed, meter))
+            info["reduce_scatter"] = "qaccel.comm.alltoall_reduce_scatter (fp32 all-to-all + local sum)"
     elif prefetch:
         # Stock FSDP2 gets the same prefetch setting as QSDP, so the comparison is like for like.
         info["prefetch_links"] = qfsdp.apply_prefetch(model)
     return model, optimizer, None, info
 
 
+_KIND_A2A_RS = "bench.alltoall_reduce_scatter"
+
+
+def _alltoall_reduce_scatter_comm(installed, meter):  # noqa: ANN001, ANN202
+    """The fair baseline's FSDP2 reduce-scatter comm: qaccel's exact all-to-all reduce-scatter.
+
+    Buffers come from the QSDP comm it replaces (``installed``: qaccel's pooled reduce-scatter input);
+    the transport is :func:`qaccel.comm.alltoall_reduce_scatter` with FSDP2's op (AVG for fp32), so
+    only gloo's all-reduce-based reduce-scatter is swapped out. Bench-only: QSDP's own comms keep
+    FSDP2's collective when the codec is off. Built here, not at import, because FSDP2's comm base
+    class is private (``_torch_internals``) and the DDP methods do not need it.
+    """
+    from .._torch_internals import fsdp2_comm_bases
+    from ..comm import alltoall_reduce_scatter
+
+    _, reduce_scatter_base = fsdp2_comm_bases()
+
+    class _AllToAllReduceScatter(reduce_scatter_base):
+        def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN202
+            return installed.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN202
+            return alltoall_reduce_scatter(output_tensor, input_tensor, group, meter, _KIND_A2A_RS, op, async_op=async_op)
+
+    return _AllToAllReduceScatter()
+
+
 def _setup_ddp(method: Method, model: torch.nn.Module, meter, lr: float, probe: dict | None):
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model)
     info: dict = {}
+    if method.ddp_buckets == "one":
+        # an explicit cap also sizes DDP's first bucket, so the whole model is one bucket (docs/powersgd_gloo.md)
+        cap_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+        info["ddp_bucket_cap_mb"] = cap_mb
+    else:
+        ddp = DistributedDataParallel(model)
     schedule = None
     if method.ddp in ("adamw", "powersgd", "bf16"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -171,10 +209,17 @@ def _setup_ddp(method: Method, model: torch.nn.Module, meter, lr: float, probe: 
             from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
             if method.ddp == "powersgd":
-                state = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
-                kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.POWER_SGD, comm_state_option=state)
-                info["powersgd"] = state
-                kwargs.register_comm_hook(ddp)
+                from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+                options = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+                # what DistributedDataParallelKwargs(comm_hook=POWER_SGD, comm_state_option=options) registers,
+                # with the state kept to report how many buckets PowerSGD compressed
+                state = powerSGD_hook.PowerSGDState(None, **options)
+                ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+                info["powersgd"] = options
+                info["powersgd_gloo"] = ("one DDP bucket: torch's powerSGD_hook deadlocks on gloo when every gloo worker "
+                                         "thread waits inside its callbacks (docs/powersgd_gloo.md)")  # fmt: skip
+                info["after_run"] = lambda: {"powersgd_buckets_compressed": len(state.error_dict)}
             elif torch.cuda.is_available():
                 DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16).register_comm_hook(ddp)
             else:
@@ -266,6 +311,9 @@ def run_distributed(spec: dict) -> None:
             )
             if nodes:
                 records[-1].update(nodes.step_figures(node0, node1, method, tallies))
+    after_run = info.pop("after_run", None)
+    if after_run is not None:
+        info.update(after_run())
     per_rank_meter = [None] * world_size
     dist.all_gather_object(per_rank_meter, [r["meter_sent_bytes"] for r in records])
     per_rank_compute = [None] * world_size

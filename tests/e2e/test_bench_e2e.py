@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from qaccel import cli
 from qaccel.bench import e2e
@@ -207,3 +208,158 @@ def test_ctrl_c_removes_the_namespace_and_its_processes(tmp_path):
     assert code == 130, err[-3000:]
     assert "interrupted" in err
     assert all(gone(pid) for pid in inside)
+
+
+# -- the fair fp32 baseline: an exact all-to-all reduce-scatter (fsdp2-fp32-a2a) ------------------------
+def _rank_input(source: int, world: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``source``'s reduce-scatter input: ``world`` chunks of ``chunk`` elements, the same wherever it is built."""
+    return torch.randn(world * chunk, generator=torch.Generator().manual_seed(1000 + source)).to(dtype)
+
+
+def _a2a_reduce_scatter_worker(rank: int, world: int, chunk: int) -> dict:
+    import torch.distributed as dist
+
+    from qaccel.comm import WireMeter, alltoall_reduce_scatter
+
+    group = dist.group.WORLD
+    sent: list[int] = []
+    original = dist.all_to_all_single
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):  # noqa: A002
+        sent.append(sum(n for j, n in enumerate(input_split_sizes) if j != dist.get_rank()) * input.element_size())
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = counted
+    out: dict = {"exact": {}, "errors": []}
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            # the plain-torch reference: this rank's slot of every rank's input, summed in fp32 in ascending rank order
+            reference = _rank_input(0, world, chunk, dtype)[rank * chunk : (rank + 1) * chunk].float()
+            for source in range(1, world):
+                reference = reference + _rank_input(source, world, chunk, dtype)[rank * chunk : (rank + 1) * chunk].float()
+            for op, expected in ((dist.ReduceOp.SUM, reference), (dist.ReduceOp.AVG, reference / world)):
+                for async_op in (False, True):
+                    meter = WireMeter()
+                    output = torch.empty(chunk, dtype=dtype)
+                    work = alltoall_reduce_scatter(output, _rank_input(rank, world, chunk, dtype), group, meter, "rs", op, async_op=async_op)
+                    if async_op:
+                        work.wait()
+                    tally = meter.end_step()["rs"]
+                    key = f"{dtype} {op} async={async_op}"
+                    out["exact"][key] = torch.equal(output, expected.to(dtype))
+                    out.setdefault("meter", []).append((tally.sent_bytes, tally.recv_bytes))
+        # refused before anything is sent: an op it cannot honour, a wrong input length
+        calls = len(sent)
+        for bad in ({"op": dist.ReduceOp.MAX}, {"input": torch.zeros(world * chunk + 1)}):
+            try:
+                alltoall_reduce_scatter(torch.empty(chunk), bad.get("input", torch.zeros(world * chunk)), group, WireMeter(), "rs", bad.get("op", dist.ReduceOp.SUM))
+            except ValueError as exc:
+                out["errors"].append(str(exc))
+        out["calls_after_refusals"] = len(sent) - calls
+    finally:
+        dist.all_to_all_single = original
+    out["sent"] = sent
+    return out
+
+
+def test_alltoall_reduce_scatter_is_exact_and_sends_a_true_reduce_scatters_bytes(tmp_path):
+    from tests._dist import run_ranks
+
+    world, chunk = 3, 1000
+    results = run_ranks(_a2a_reduce_scatter_worker, world, tmp_path, chunk, timeout_s=120)
+    for rank, result in enumerate(results):
+        # bit for bit the plain-torch fp32 sum of the ranks' chunks (ascending rank order), AVG divided by P, sync and async
+        assert result["exact"] and all(result["exact"].values()), (rank, result["exact"])
+        # (P-1)/P of the input each way, as handed to all_to_all_single, and what the meter recorded
+        for (sent_meter, recv_meter), sent_wire, itemsize in zip(result["meter"], result["sent"], [4] * 4 + [2] * 4, strict=True):
+            assert sent_wire == (world - 1) * chunk * itemsize == (world - 1) / world * (world * chunk * itemsize)
+            assert sent_meter == recv_meter == sent_wire
+        assert result["calls_after_refusals"] == 0
+        assert "MAX" in result["errors"][0]
+        assert "SUM or ReduceOp.AVG" in result["errors"][0]
+        assert f"expected {world * chunk}" in result["errors"][1]
+
+
+def _fair_baseline_fsdp_worker(rank: int, world: int) -> dict:
+    """Stock FSDP2 and the bench's fsdp2-fp32-a2a set-up on the same model and data: losses and sharded gradients."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from qaccel.bench._e2e_methods import METHODS
+    from qaccel.bench._e2e_worker import _setup_fsdp
+    from qaccel.comm import WireMeter
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.Tanh()) for _ in range(3)])
+
+    class Wrapper(torch.nn.Module):  # _setup_fsdp shards model.transformer.h and the root
+        def __init__(self, blocks):
+            super().__init__()
+            self.transformer = torch.nn.Module()
+            self.transformer.h = blocks
+
+        def forward(self, x):
+            return self.transformer.h(x).square().mean()
+
+    stock = Wrapper(copy.deepcopy(base))
+    for block in stock.transformer.h:
+        fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
+    fully_shard(stock, mesh=init_device_mesh("cpu", (world,)))
+    meter = WireMeter()
+    fair, _, _, info = _setup_fsdp(METHODS["fsdp2-fp32-a2a"], Wrapper(copy.deepcopy(base)), world, False, meter, 1e-3)
+    calls = []
+    original = dist.all_to_all_single
+    dist.all_to_all_single = lambda *a, **k: calls.append(1) or original(*a, **k)
+    out = {"losses": [], "grads_equal": [], "info": info}
+    try:
+        for step in range(2):
+            x = torch.randn(4, 48, generator=torch.Generator().manual_seed(10 * step + rank))
+            losses = []
+            for model in (stock, fair):
+                loss = model(x)
+                loss.backward()
+                losses.append(float(loss.detach()))
+            out["losses"].append(losses)
+            out["grads_equal"].append(all(torch.equal(a.grad.to_local(), b.grad.to_local()) for a, b in zip(stock.parameters(), fair.parameters(), strict=True)))
+            for model in (stock, fair):
+                model.zero_grad(set_to_none=True)
+    finally:
+        dist.all_to_all_single = original
+    out["all_to_all_calls"] = len(calls)
+    out["kinds"] = sorted(meter.end_step())
+    return out
+
+
+def test_fair_baseline_gives_stock_fsdp2s_gradients_through_an_all_to_all(tmp_path):
+    from tests._dist import run_ranks
+
+    for result in run_ranks(_fair_baseline_fsdp_worker, 2, tmp_path, timeout_s=120):
+        # two ranks: the fp32 sum of two chunks and the halving are exact, so gloo's reduce-scatter and ours agree bit for bit
+        assert all(result["grads_equal"]), result
+        assert all(a == b for a, b in result["losses"])
+        # every unit with parameters (the 3 blocks; the root holds none) reduce-scattered through the all-to-all, twice
+        assert result["all_to_all_calls"] == 2 * 3
+        assert "bench.alltoall_reduce_scatter" in result["kinds"] and "all-to-all" in result["info"]["reduce_scatter"]
+
+
+def test_fair_baseline_is_a_default_method_compared_both_ways():
+    from qaccel.bench import _e2e_report as report
+    from qaccel.bench._e2e_methods import DEFAULT_METHODS
+
+    assert "fsdp2-fp32-a2a" in DEFAULT_METHODS
+    assert e2e.plan_configs(["fsdp2-fp32-a2a"], "default") == [("fsdp2-fp32-a2a", False), ("fsdp2-fp32-a2a", True)]
+    rows = [
+        {"label": label, "method": label.split("+")[0], "prefetch": "+" in label, "bandwidth": "300mbit", "step_s": s,
+         "fraction_of_ideal_full_overlap": None}
+        for label, s in (("fsdp2-fp32", 8.0), ("fsdp2-fp32-a2a", 6.0), ("qsdp-w8g8", 1.6), ("qsdp-w4g4", 1.0))
+    ]  # fmt: skip
+    report.add_speedups(rows)
+    w8 = rows[2]["speedup"]
+    assert w8["fsdp2-fp32"] == pytest.approx(5.0) and w8["fsdp2-fp32-a2a"] == pytest.approx(3.75)
+    goals = {g["goal"]: g for g in report.evaluate_goals(rows)}
+    assert goals["fsdp2-fp32-a2a / qsdp-w8g8 step time"]["target"] == 4.0
+    assert goals["fsdp2-fp32-a2a / qsdp-w8g8 step time"]["met"] is False
+    assert goals["fsdp2-fp32-a2a / qsdp-w4g4 step time"] == {**goals["fsdp2-fp32-a2a / qsdp-w4g4 step time"], "value": 6.0, "target": 7.0, "met": False}

@@ -39,7 +39,11 @@ from . import _convergence_report, _convergence_stats
 from ._convergence_run import loop_flags, mesh_env, seed_flags, train_command, train_run
 from ._convergence_tasks import TASKS, Method, Task, hierarchical_tasks, select_methods, task_by_name, task_methods
 
-__all__ = ["add_arguments", "run", "LONG_METHODS"]
+__all__ = ["add_arguments", "run", "LONG_METHODS", "ConvergenceInputError"]
+
+
+class ConvergenceInputError(ValueError):
+    """A bad command-line value or ``--merge`` input, found before any rank starts (the CLI prints one line, exit 2)."""
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +116,14 @@ def _check(args: argparse.Namespace) -> tuple[list[str], int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    report = _merge(args.merge) if args.merge else _measure(args)
+    """Train (or merge) the study; bad input raises :class:`ConvergenceInputError` before any rank starts."""
+    try:
+        checked = None if args.merge else _check(args)
+        report = _merge(args.merge) if args.merge else None
+    except ValueError as exc:
+        raise ConvergenceInputError(str(exc)) from None
+    if report is None:
+        report = _measure(args, checked)
     png = args.plot or (str(Path(args.json_path).with_suffix(".png")) if getattr(args, "json_path", None) else None)
     if png:
         _convergence_report.plot(report, png)
@@ -167,8 +178,8 @@ def _fill_order(report: dict) -> None:
         section.setdefault("method_order", [m.key for m in TASKS["gpt2-tiny"].methods + TASKS["bert-tiny"].methods if m.key in section["methods"]])
 
 
-def _measure(args: argparse.Namespace) -> dict:
-    tasks, num_seeds = _check(args)
+def _measure(args: argparse.Namespace, checked: tuple[list[str], int]) -> dict:
+    tasks, num_seeds = checked
     seeds = list(range(num_seeds))
     jobs: list[tuple] = []  # (folder under the runs dir, task, method, seeds, steps, eval interval)
     settings: dict[str, dict] = {}

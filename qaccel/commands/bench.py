@@ -37,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..bench import convergence as convergence_bench
 
     convergence_bench.add_arguments(convergence_parser)
-    convergence_parser.set_defaults(func=_run(convergence_bench))
+    convergence_parser.set_defaults(func=_run_convergence)
 
     project_parser = kinds.add_parser(
         "project", help="cost model of a step: calibrated on the simulated cluster, projected to 2..64 GPU nodes"
@@ -86,6 +86,20 @@ def _run_e2e(args: argparse.Namespace) -> int:
     if report["errors"]:
         print(f"qaccel bench e2e: failed configurations: {', '.join(report['errors'])}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_convergence(args: argparse.Namespace) -> int:
+    """Exit 2 with one line naming the flag when a value is bad, before any training run starts."""
+    from ..bench import convergence as convergence_bench
+    from ._output import report_usage_error
+
+    _require_plotting(args)
+    try:
+        report = convergence_bench.run(args)
+    except convergence_bench.ConvergenceInputError as exc:
+        return report_usage_error("bench convergence", exc)
+    emit(report, args.json_path)
     return 0
 
 

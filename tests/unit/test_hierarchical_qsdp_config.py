@@ -108,3 +108,19 @@ def test_accelerates_parallelism_check_is_held_back_then_run_on_the_callers_copy
     bad = SimpleNamespace(parallelism_config=defer_parallelism_check(config), multi_device=False, num_processes=3, is_fsdp2=True, distributed_type=DistributedType.FSDP)
     with pytest.raises(ValueError, match=r"total_size \(4\) does not match num_processes \(3\)"):
         run_deferred_parallelism_check(bad)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--replicas", "3", "--world_size", "4"], "--replicas 3: --world_size 4 is not divisible by it"),
+        (["--tasks", "nope"], "--tasks: unknown task 'nope'"),
+        (["--replicas", "2", "--world_size", "4", "--tasks", "bert-tiny"], "bert-tiny"),
+    ],
+)
+def test_bad_convergence_flags_are_one_line_and_exit_2_before_any_run(argv, named, capsys):
+    from qaccel.cli import main
+
+    assert main(["bench", "convergence", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qaccel bench convergence: ") and named in err[0]

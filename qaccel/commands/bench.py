@@ -37,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..bench import convergence as convergence_bench
 
     convergence_bench.add_arguments(convergence_parser)
-    convergence_parser.set_defaults(func=_run_convergence)
+    convergence_parser.set_defaults(func=_run(convergence_bench, convergence_bench.ConvergenceInputError))
 
     project_parser = kinds.add_parser(
         "project", help="cost model of a step: calibrated on the simulated cluster, projected to 2..64 GPU nodes"
@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..bench import project as project_bench
 
     project_bench.add_arguments(project_parser)
-    project_parser.set_defaults(func=_run_project)
+    project_parser.set_defaults(func=_run(project_bench, project_bench.ProjectInputError))
 
 
 def _require_plotting(args: argparse.Namespace) -> None:
@@ -57,10 +57,19 @@ def _require_plotting(args: argparse.Namespace) -> None:
         require_extra("bench", f"qaccel bench {args.bench_kind} (its PNG)", modules=("matplotlib",))
 
 
-def _run(module):
+def _run(module, bad_input: type[Exception] | None = None):
+    """Run ``module``'s benchmark; ``bad_input`` (its input error) becomes one line on stderr and exit 2."""
+
     def run(args: argparse.Namespace) -> int:
+        from ._output import report_usage_error
+
         _require_plotting(args)
-        report = module.run(args)
+        try:
+            report = module.run(args)
+        except Exception as exc:
+            if bad_input is not None and isinstance(exc, bad_input):
+                return report_usage_error(f"bench {args.bench_kind}", exc)
+            raise
         emit(report, args.json_path)
         return 0
 
@@ -86,32 +95,4 @@ def _run_e2e(args: argparse.Namespace) -> int:
     if report["errors"]:
         print(f"qaccel bench e2e: failed configurations: {', '.join(report['errors'])}", file=sys.stderr)
         return 1
-    return 0
-
-
-def _run_convergence(args: argparse.Namespace) -> int:
-    """Exit 2 with one line naming the flag when a value is bad, before any training run starts."""
-    from ..bench import convergence as convergence_bench
-    from ._output import report_usage_error
-
-    _require_plotting(args)
-    try:
-        report = convergence_bench.run(args)
-    except convergence_bench.ConvergenceInputError as exc:
-        return report_usage_error("bench convergence", exc)
-    emit(report, args.json_path)
-    return 0
-
-
-def _run_project(args: argparse.Namespace) -> int:
-    """Exit 2 with one line naming the file or key when an input is missing or malformed."""
-    from ..bench import project as project_bench
-    from ._output import report_usage_error
-
-    _require_plotting(args)
-    try:
-        report = project_bench.run(args)
-    except project_bench.ProjectInputError as exc:
-        return report_usage_error("bench project", exc)
-    emit(report, args.json_path)
     return 0

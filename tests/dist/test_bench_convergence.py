@@ -145,12 +145,13 @@ def test_the_seed_moves_data_and_noise_but_not_the_initialisation(quick_report):
     assert w4[0]["eval"][0]["eval_loss"] != w4[1]["eval"][0]["eval_loss"]
 
 
-def test_merge_renders_without_training_and_refuses_a_task_twice(quick_report, tmp_path):
+def test_merge_renders_without_training_and_refuses_a_task_twice(quick_report, tmp_path, capsys):
     report, out = quick_report
     assert main(["bench", "convergence", "--merge", str(out / "c.json"), "--markdown", str(tmp_path / "m.md"), "--plot", str(tmp_path / "m.png")]) == 0
     assert (tmp_path / "m.md").read_text() == (out / "c.md").read_text()
-    with pytest.raises(ValueError, match=r"task\(s\) \['gpt2-tiny'\] already"):
-        main(["bench", "convergence", "--merge", str(out / "c.json"), str(out / "c.json")])
+    capsys.readouterr()
+    assert main(["bench", "convergence", "--merge", str(out / "c.json"), str(out / "c.json")]) == 2  # one line, exit 2
+    assert re.search(r"^qaccel bench convergence: .*task\(s\) \['gpt2-tiny'\] already", capsys.readouterr().err)
 
 
 def test_merge_still_renders_the_published_report(tmp_path):
@@ -200,9 +201,11 @@ def test_every_method_resolves_in_the_training_loop_as_meant(task, warmup, tmp_p
         (["--long_only"], "--long_only: needs --long_steps N"),
     ],
 )
-def test_bad_arguments_name_the_value(argv, message):
-    with pytest.raises(ValueError, match=message):
-        main(["bench", "convergence", *argv])
+def test_bad_arguments_name_the_value(argv, message, capsys):
+    # Bad input: one line on stderr and exit 2, before any rank starts.
+    assert main(["bench", "convergence", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qaccel bench convergence: ") and re.search(message, err[0])
 
 
 def test_a_run_folder_is_never_overwritten(tmp_path):
@@ -270,9 +273,11 @@ def test_hierarchical_methods_resolve_in_the_training_loop_as_meant(tmp_path, mo
         (["--replicas", "2", "--world_size", "4", "--long_steps", "10"], "--long_steps 10: the long run is 1-D"),
     ],
 )
-def test_bad_hierarchical_arguments_name_the_value(argv, message):
-    with pytest.raises(ValueError, match=message):
-        main(["bench", "convergence", *argv])
+def test_bad_hierarchical_arguments_name_the_value(argv, message, capsys):
+    # Bad input: one line on stderr and exit 2, before any rank starts.
+    assert main(["bench", "convergence", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qaccel bench convergence: ") and re.search(message, err[0])
 
 
 @pytest.mark.slow  # two 4-rank launches on 2 cores: about 2 minutes; the planning tests above run in the default tier

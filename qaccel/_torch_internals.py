@@ -14,6 +14,8 @@ and why no public API does it:
   ``FSDPParam``'s ``sharded_param`` and ``_sharded_local_tensor``.
 - ``torch._C._storage_Use_Count``: how many tensors share a storage (the comm buffer pool's
   "nobody holds this buffer any more" test).
+- ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: where a DTensor shard
+  starts in its tensor (DTensor has no public accessor; 0/1 Adam slices ``exp_avg_mask`` with it).
 - ``torch._foreach_norm`` / ``torch._foreach_mul_``: the fused per-list ops
   ``torch.nn.utils.clip_grad_norm_`` itself uses (gradient clipping and the non-finite guard).
 - ``filesystem._StorageInfo`` and ``metadata._MEM_FORMAT_ENCODING`` of
@@ -52,6 +54,7 @@ __all__ = [
     "sharded_param",
     "sharded_local_tensor",
     "storage_use_count",
+    "dtensor_global_offset",
     "foreach_norm",
     "foreach_mul_",
     "dcp_metadata_private_globals",
@@ -166,6 +169,14 @@ def storage_use_count(tensor: torch.Tensor) -> int:
     storage = tensor.untyped_storage()
     count = TORCH.get(TORCH.get(torch, "_C", purpose), "_storage_Use_Count", purpose, owner="torch._C")
     return int(count(TORCH.get(storage, "_cdata", purpose, owner="UntypedStorage")))
+
+
+def dtensor_global_offset(t: Any) -> tuple[int, ...]:
+    """Where a ``DTensor``'s local shard starts in the global tensor, per dimension (no communication)."""
+    purpose = "where an FSDP2 shard sits in its parameter (0/1 Adam's exp_avg_mask on shards)"
+    module = importlib.import_module("torch.distributed.tensor._utils")
+    compute = TORCH.get(module, "compute_local_shape_and_global_offset", purpose)
+    return tuple(compute(t.shape, t.device_mesh, t.placements)[1])
 
 
 def foreach_norm(tensors: Sequence[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:

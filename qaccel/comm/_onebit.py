@@ -188,6 +188,7 @@ def compressed_allreduce(
     *,
     group: dist.ProcessGroup | None = None,
     meter: WireMeter | None = None,
+    kind_prefix: str = "onebit",
 ) -> list[torch.Tensor]:
     """Average ``tensors`` over the ranks of ``group`` with 1-bit compression and two-sided error feedback.
 
@@ -202,6 +203,8 @@ def compressed_allreduce(
         group: process group (default: the default group; world size 1 when torch.distributed is not
             initialized).
         meter: wire meter to record into (default :data:`qaccel.comm.default_meter`).
+        kind_prefix: the meter records ``<prefix>.all_to_all`` and ``<prefix>.all_gather`` (the sharded
+            optimizers use ``hsdp.onebit``: their group spans nodes).
 
     Returns:
         Per tensor, a new fp32 tensor of the input's shape holding the decoded average; bit-identical on
@@ -241,7 +244,7 @@ def compressed_allreduce(
     send[:, :scale_bytes] = worker_scales.view(torch.uint8)
 
     # Phase 1: rank j receives chunk j of every worker, with every worker's scales.
-    recv = _all_to_all(send, group, world_size, meter)
+    recv = _all_to_all(send, group, world_size, meter, f"{kind_prefix}.all_to_all")
     received_scales = recv[:, :scale_bytes].contiguous().view(torch.float32)  # (world, num_live)
 
     # Server side: average the decoded chunks, compensate, compress again.
@@ -267,7 +270,7 @@ def compressed_allreduce(
     server_row[:scale_bytes] = server_scales.view(torch.uint8)
 
     # Phase 2: everyone gathers every server chunk and decodes the same bytes.
-    gathered = _all_gather(server_row, group, world_size, meter)  # (world, row_bytes)
+    gathered = _all_gather(server_row, group, world_size, meter, f"{kind_prefix}.all_gather")  # (world, row_bytes)
     gathered_scales = gathered[:, :scale_bytes].contiguous().view(torch.float32)  # (world, num_live)
     for slot, (k, offset) in enumerate(zip(live, offsets, strict=True)):
         layout = layouts[k]
@@ -288,20 +291,20 @@ def _all_gather_single():
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, meter: WireMeter) -> torch.Tensor:
+def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, meter: WireMeter, kind: str) -> torch.Tensor:
     if world_size == 1:  # nothing leaves the rank: no call, no bytes
         return send
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     row_bytes = send.shape[1]
-    meter.record("onebit.all_to_all", sent_bytes=(world_size - 1) * row_bytes, recv_bytes=(world_size - 1) * row_bytes)
+    meter.record(kind, sent_bytes=(world_size - 1) * row_bytes, recv_bytes=(world_size - 1) * row_bytes)
     return recv
 
 
-def _all_gather(row: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, meter: WireMeter) -> torch.Tensor:
+def _all_gather(row: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, meter: WireMeter, kind: str) -> torch.Tensor:
     if world_size == 1:
         return row.view(1, -1)
     gathered = torch.empty(world_size * row.numel(), dtype=row.dtype, device=row.device)  # gloo wants it flat
     _all_gather_single()(gathered, row, group=group)
-    meter.record("onebit.all_gather", sent_bytes=(world_size - 1) * row.numel(), recv_bytes=(world_size - 1) * row.numel())
+    meter.record(kind, sent_bytes=(world_size - 1) * row.numel(), recv_bytes=(world_size - 1) * row.numel())
     return gathered.view(world_size, row.numel())

@@ -3,9 +3,16 @@
 from ._comms import QuantizedAllGather, QuantizedReduceScatter, UnitPlan
 from ._install import QSDPHandle, install_qsdp
 from ._prefetch import apply_prefetch, clear_prefetch
-from ._replica import INTER_NODE_KINDS, ReplicaAllReduce, ReplicaChunking, bytes_by_level
+from ._replica import (
+    INTER_NODE_KINDS,
+    KIND_REPLICA_AR,
+    ReplicaAllReduce,
+    ReplicaChunking,
+    bytes_by_level,
+    is_inter_node,
+)
 from ._seeds import SeedSchedule
-from ._units import FSDPUnit, find_units, padded_shard_numel
+from ._units import FSDPUnit, check_replica_group, find_units, padded_shard_numel
 from .config import QSDPConfig
 
 __all__ = [
@@ -20,9 +27,12 @@ __all__ = [
     "UnitPlan",
     "FSDPUnit",
     "find_units",
+    "check_replica_group",
     "padded_shard_numel",
     "ReplicaAllReduce",
     "ReplicaChunking",
     "bytes_by_level",
     "INTER_NODE_KINDS",
+    "KIND_REPLICA_AR",
+    "is_inter_node",
 ]

@@ -29,7 +29,7 @@ from ._master import requantize_shards
 from ._prefetch import apply_prefetch
 from ._replica import ReplicaAllReduce
 from ._seeds import SeedSchedule
-from ._units import FSDPUnit, find_units, require_custom_comms
+from ._units import FSDPUnit, check_replica_group, find_units, require_custom_comms
 from .config import QSDPConfig
 
 __all__ = ["QSDPHandle", "install_qsdp"]
@@ -218,33 +218,24 @@ def install_qsdp(
 def _check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup | None) -> int:
     """The replica count R (1 without a group); raise ValueError when the group cannot be the replicas of this rank's shard.
 
-    Local checks only (no collective): every unit is sharded on the same 1-D mesh of S ranks, the
-    replica group contains this rank and meets that mesh in this rank alone, and S * R is the world.
+    Local checks only (no collective): no other all-reduce hook, and :func:`check_replica_group`.
     """
-    foreign = [(unit.name, unit.foreign_all_reduce_hook) for unit in units if unit.foreign_all_reduce_hook]
+    if replica_group is None or dist.get_world_size(replica_group) == 1:
+        return 1  # 1-D QSDP leaves the all-reduce hook alone (a sharded 1-bit optimizer may own it)
+    foreign = [(unit.name, unit.all_reduce_hook) for unit in units if unit.all_reduce_hook not in (None, "ReplicaAllReduce")]
     if foreign:
         name, hook = foreign[0]
-        raise ValueError(
-            f"QSDP: FSDP unit {name} already has an all-reduce hook ({hook}, set_all_reduce_hook); QSDP cannot "
-            "combine it with its own. Remove it"
+        advice = (
+            "A sharded 1-bit optimizer (register_hsdp_comm_hook) already owns the traffic across replicas: install "
+            "QSDP without replica_group"
+            if hook == "OneBitReplicaHook"
+            else "Remove it"
         )
-    if replica_group is None or dist.get_world_size(replica_group) == 1:
-        return 1
-    meshes = {unit.params[0].device_mesh for unit in units if unit.params}
-    if len(meshes) != 1:
-        raise ValueError(f"install_qsdp(replica_group=...): the units are sharded on {len(meshes)} different meshes; hierarchical QSDP needs one intra-node mesh")
-    shard_ranks = set(next(iter(meshes)).mesh.flatten().tolist())
-    replica_ranks = set(dist.get_process_group_ranks(replica_group))
-    me, replicas, world = dist.get_rank(), len(replica_ranks), dist.get_world_size()
-    if me not in replica_ranks or shard_ranks & replica_ranks != {me} or len(shard_ranks) * replicas != world:
         raise ValueError(
-            f"install_qsdp(replica_group=...): rank {me}'s shard mesh has ranks {sorted(shard_ranks)} and the replica group "
-            f"{sorted(replica_ranks)} (world size {world}); the replica group must hold this rank and one rank of every other "
-            "node, and (shard size) x (replicas) must be the world size. Build both from one 2-D mesh: "
-            "mesh = init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard')); fully_shard(..., "
-            "mesh=mesh['shard']); install_qsdp(..., replica_group=mesh['replicate'].get_group())"
+            f"QSDP: FSDP unit {name} already has an all-reduce hook ({hook}, set_all_reduce_hook); hierarchical QSDP "
+            f"cannot combine it with its own. {advice}"
         )
-    return replicas
+    return check_replica_group(units, replica_group, "install_qsdp")
 
 
 def refuse_unsupported(unit: FSDPUnit, *, weights_quantized: bool, grads_quantized: bool) -> None:

@@ -45,6 +45,8 @@ __all__ = [
     "KIND_REPLICA_AG",
     "KIND_REPLICA_AR",
     "INTER_NODE_KINDS",
+    "INTER_NODE_PREFIX",
+    "is_inter_node",
 ]
 
 KIND_REPLICA_RS = "qsdp.replica_reduce_scatter"
@@ -53,15 +55,26 @@ KIND_REPLICA_AR = "hsdp.replica_all_reduce"  # exact fp32 (replica_grad_bits off
 INTER_NODE_KINDS = frozenset((KIND_REPLICA_RS, KIND_REPLICA_AG, KIND_REPLICA_AR))
 
 
+INTER_NODE_PREFIX = "hsdp."
+"""Kinds recorded over an HSDP replica group start with it (``hsdp.replica_all_reduce``, a sharded 1-bit
+optimizer's ``hsdp.onebit.*``)."""
+
+
+def is_inter_node(kind: str) -> bool:
+    """Whether collectives of ``kind`` run over the replica group (across nodes)."""
+    return kind in INTER_NODE_KINDS or kind.startswith(INTER_NODE_PREFIX)
+
+
 def bytes_by_level(tallies: Mapping[str, CollectiveTally]) -> dict[str, int]:
     """Bytes sent per level: ``inter_node`` (collectives over the replica group) and ``intra_node`` (the rest).
 
-    Under hierarchical QSDP the replica group spans nodes and every other qaccel collective stays
-    inside one; on a 1-D mesh everything is counted as ``intra_node`` (the mesh is one "node" to qaccel).
+    Under hierarchical QSDP, or a sharded 1-bit optimizer, the replica group spans nodes and every
+    other qaccel collective stays inside one; on a 1-D mesh everything is counted as ``intra_node``
+    (the mesh is one "node" to qaccel).
     """
     levels = {"intra_node": 0, "inter_node": 0}
     for kind, tally in tallies.items():
-        levels["inter_node" if kind in INTER_NODE_KINDS else "intra_node"] += tally.sent_bytes
+        levels["inter_node" if is_inter_node(kind) else "intra_node"] += tally.sent_bytes
     return levels
 
 

@@ -18,13 +18,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_internals as torch_internals
 
-__all__ = ["FSDPUnit", "find_units", "padded_shard_numel", "require_custom_comms"]
+__all__ = ["FSDPUnit", "find_units", "check_replica_group", "padded_shard_numel", "require_custom_comms"]
 
 
 def require_custom_comms() -> None:
@@ -62,8 +63,9 @@ class FSDPUnit:
         custom_extension: names of parameters whose local tensor defines ``fsdp_pre_all_gather``
             (tensor-subclass all-gather extensions: the all-gather input is not the shard).
         param_names: qualified names of ``params`` in the model, for messages.
-        foreign_all_reduce_hook: the type name of a hook someone else installed with
-            ``FSDPModule.set_all_reduce_hook`` (not QSDP's own), or None.
+        all_reduce_hook: the type name of the hook installed with ``FSDPModule.set_all_reduce_hook``
+            (``ReplicaAllReduce``: hierarchical QSDP's; ``OneBitReplicaHook``: a sharded 1-bit
+            optimizer's), or None.
         gradient_divide_factor: the factor set with ``set_gradient_divide_factor``, or None.
     """
 
@@ -76,7 +78,7 @@ class FSDPUnit:
     reshard_after_forward_size: int | None = None
     custom_extension: tuple[str, ...] = ()
     param_names: tuple[str, ...] = ()
-    foreign_all_reduce_hook: str | None = None
+    all_reduce_hook: str | None = None
     gradient_divide_factor: float | None = None
 
     def shard_numels(self) -> list[int]:
@@ -164,7 +166,7 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
             reshard_after_forward_size=_reshard_after_forward_size(groups),
             custom_extension=_custom_extension_params(groups, names),
             param_names=tuple(names.get(id(param), "?") for param in params),
-            foreign_all_reduce_hook=_foreign_all_reduce_hook(groups),
+            all_reduce_hook=_all_reduce_hook(groups),
             gradient_divide_factor=next((f for f in map(torch_internals.group_gradient_divide_factor, groups) if f is not None), None),
         )
         units.append(unit)
@@ -172,10 +174,38 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
     return units
 
 
-def _foreign_all_reduce_hook(groups: list) -> str | None:
+def check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup, caller: str) -> int:
+    """The replica count R; raise ValueError when ``replica_group`` cannot be the replicas of this rank's shard.
+
+    Local checks only (no collective): every unit is sharded on the same 1-D mesh of S ranks, the
+    replica group contains this rank and meets that mesh in this rank alone, and S * R is the world.
+
+    Args:
+        units: the model's FSDP2 units (:func:`find_units`).
+        replica_group: the ranks that hold this rank's shard on the other nodes.
+        caller: the public function checking (``install_qsdp``, ``register_hsdp_comm_hook``), for messages.
+    """
+    meshes = {unit.params[0].device_mesh for unit in units if unit.params}
+    if len(meshes) != 1:
+        raise ValueError(f"{caller}(replica_group=...): the units are sharded on {len(meshes)} different meshes; one intra-node mesh is needed")
+    shard_ranks = set(next(iter(meshes)).mesh.flatten().tolist())
+    replica_ranks = set(dist.get_process_group_ranks(replica_group))
+    me, replicas, world = dist.get_rank(), len(replica_ranks), dist.get_world_size()
+    if me not in replica_ranks or shard_ranks & replica_ranks != {me} or len(shard_ranks) * replicas != world:
+        raise ValueError(
+            f"{caller}(replica_group=...): rank {me}'s shard mesh has ranks {sorted(shard_ranks)} and the replica group "
+            f"{sorted(replica_ranks)} (world size {world}); the replica group must hold this rank and one rank of every other "
+            "node, and (shard size) x (replicas) must be the world size. Build both from one 2-D mesh: "
+            "mesh = init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard')); fully_shard(..., "
+            f"mesh=mesh['shard']); {caller}(..., replica_group=mesh['replicate'].get_group())"
+        )
+    return replicas
+
+
+def _all_reduce_hook(groups: list) -> str | None:
     for group in groups:
         hook = torch_internals.group_all_reduce_hook(group)
-        if hook is not None and type(hook).__name__ != "ReplicaAllReduce":
+        if hook is not None:
             return type(hook).__name__
     return None
 

@@ -1,13 +1,16 @@
-"""0/1 Adam and 1-bit Adam for data-parallel training (DDP), with DeepSpeed's key names and semantics.
+"""0/1 Adam and 1-bit Adam for data-parallel training (DDP, or HSDP shards), with DeepSpeed's key names and semantics.
 
 ``ZeroOneAdam`` / ``OneBitAdam`` are torch optimizers; their 1-bit error-feedback all-reduce is
-:func:`qaccel.comm.compressed_allreduce`. Whether DDP all-reduces a step's gradients in full precision is
+:func:`qaccel.comm.compressed_allreduce`. Whether a step's gradients are all-reduced in full precision is
 decided by the optimizer's :class:`CommPlan`, which the DDP hook installed by
-:func:`register_ddp_comm_hook` (done by ``qaccel.Accelerator.prepare``) reads.
+:func:`register_ddp_comm_hook`, or the FSDP2 all-reduce hook installed by :func:`register_hsdp_comm_hook`
+on a model sharded within nodes and replicated across them, reads (``qaccel.Accelerator.prepare``
+installs the right one).
 """
 
 from ._base import OneBitOptimizerBase
 from ._ddp_hook import OneBitCommHookState, onebit_comm_hook, register_ddp_comm_hook
+from ._hsdp_hook import OneBitReplicaHook, register_hsdp_comm_hook
 from ._schedule import CommPlan, OneBitAdamSchedule, Phase, StepKind, ZeroOneAdamSchedule, count_step_kinds
 from .config import GRANULARITIES, OneBitAdamConfig, ZeroOneAdamConfig
 from .onebit_adam import OneBitAdam
@@ -29,4 +32,6 @@ __all__ = [
     "OneBitCommHookState",
     "onebit_comm_hook",
     "register_ddp_comm_hook",
+    "OneBitReplicaHook",
+    "register_hsdp_comm_hook",
 ]

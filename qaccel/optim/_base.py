@@ -45,6 +45,8 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         self.wire_meter = default_meter if wire_meter is None else wire_meter
         self._last_grad_norm: torch.Tensor | float | None = None
         self._process_group = process_group
+        self._shard_group: dist.ProcessGroup | None = None
+        self._kind_prefix = "onebit"
         self._comm_hook_required = False
         self._comm_hook_installed = False
         self._units: list[Unit] | None = None
@@ -94,6 +96,30 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         return self._process_group
+
+    def set_shard_group(self, shard_group: dist.ProcessGroup) -> None:
+        """Parameters sharded over ``shard_group`` (HSDP: the ranks of one node), replicated over the process group.
+
+        :func:`qaccel.optim.register_hsdp_comm_hook` calls this. Gradient norms for clipping then add the
+        shards' squares over ``shard_group``; the 1-bit all-reduce, the replica checks and every other
+        collective stay on the process group (the replicas of this rank's shard), whose bytes the meter
+        records as ``hsdp.onebit.*`` (inter-node).
+        """
+        self._shard_group = shard_group
+        self._kind_prefix = "hsdp.onebit"
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        return self._shard_group
+
+    @property
+    def is_sharded(self) -> bool:
+        """Runs on HSDP shards (:meth:`set_shard_group` was called): every rank's state is its own."""
+        return self._shard_group is not None
+
+    def shard_ranks(self) -> int:
+        """Ranks the parameters are sharded over (1 for DDP replicas)."""
+        return dist.get_world_size(self._shard_group) if self._shard_group is not None else 1
 
     def require_comm_hook(self) -> None:
         """Refuse to step until :func:`qaccel.optim.register_ddp_comm_hook` has run (multi-process runs)."""
@@ -152,11 +178,15 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
             worker_errors.append(state["worker_error"])
             server_errors.append(state["server_error"])
         return compressed_allreduce(
-            payloads, worker_errors, server_errors, layouts, group=self._process_group, meter=self.wire_meter
-        )
+            payloads, worker_errors, server_errors, layouts, group=self._process_group, meter=self.wire_meter,
+            kind_prefix=self._kind_prefix,
+        )  # fmt: skip
 
     def _clip(self, grads: list[torch.Tensor | None], kind: StepKind, world_size: int) -> list[torch.Tensor | None]:
         """Scale the gradients, in place, to ``gradient_clipping`` with a norm that is the same on every rank.
+
+        With sharded parameters (HSDP) "gradient" means the node's: the squares of the shards' norms are
+        first summed over the shard group (one 4-byte all-reduce inside the node), then:
 
         FULL steps: the norm of the all-reduced gradient (identical everywhere). Steps whose local
         gradient feeds a 1-bit all-reduce (0/1 Adam phase 1, 1-bit Adam after the freeze): the root mean
@@ -177,11 +207,17 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
             self._last_grad_norm = 0.0
             return grads
         norm = torch.linalg.vector_norm(torch.stack(foreach_norm(live)))
+        if self._shard_group is not None and dist.get_world_size(self._shard_group) > 1:
+            squared = (norm * norm).reshape(1)
+            dist.all_reduce(squared, group=self._shard_group)
+            nbytes = ring_all_reduce_bytes(4, dist.get_world_size(self._shard_group))
+            self.wire_meter.record("onebit.clip_norm_shard_all_reduce", sent_bytes=nbytes, recv_bytes=nbytes)
+            norm = torch.sqrt(squared[0])
         if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM) and world_size > 1:
             squared = (norm * norm).reshape(1)
             dist.all_reduce(squared, group=self._process_group)
             self.wire_meter.record(
-                "onebit.clip_norm_all_reduce",
+                f"{self._kind_prefix}.clip_norm_all_reduce",
                 sent_bytes=ring_all_reduce_bytes(4, world_size),
                 recv_bytes=ring_all_reduce_bytes(4, world_size),
             )

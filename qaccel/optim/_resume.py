@@ -7,6 +7,10 @@ error buffers, master weights and, between 0/1 Adam syncs, the local parameters)
 ``rank_state_dict()``, which every rank writes to its own file. ``stage_rank_state(payload)`` before
 ``load_state_dict(...)`` restores both, so a resume with the same world size is bit-exact.
 
+On HSDP shards (``is_sharded``) no two ranks share any state, so the rank file carries everything:
+``rank_state_dict()`` also holds ``state_dict()`` (``"optimizer_state"``), and ``load_rank_state(payload)``
+restores the optimizer from it alone. A resume needs the same replicas x shards mesh.
+
 After any load the next step checks, with one small all-gather, that every rank holds the same schedule,
 variance and synced weights (raising if not). If a rank has no private state, or the world size changed,
 all ranks instead reset: error buffers and the accumulator are zeroed and weights and momentum are
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 from ..comm import ring_all_gather_bytes, ring_all_reduce_bytes
 from ._schedule import Phase
-from ._units import Unit, unit_weights, write_back
+from ._units import Unit, local_tensor, unit_weights, write_back
 
 __all__ = ["ResumeMixin", "RANK_STATE_KEYS"]
 
@@ -83,15 +87,19 @@ class ResumeMixin:
                     units[index] = private
         # Between 0/1 Adam syncs each replica has its own weights; the model file holds rank 0's only.
         local = self.schedule.steps_since_sync > 0
-        return {
+        payload = {
             "format": RANK_FORMAT,
             "optimizer": type(self).__name__,
             "rank": _global_rank(),
             "world_size": self.world_size(),
+            "shard_ranks": self.shard_ranks(),
             "step": self.schedule.step,
-            "units": units,
-            "local_params": {index: p.detach() for index, p in enumerate(params)} if local else {},
+            "units": {} if self.is_sharded else units,  # sharded: all of it is in "optimizer_state"
+            "local_params": {index: local_tensor(p).detach() for index, p in enumerate(params)} if local else {},
         }
+        if self.is_sharded:
+            payload["optimizer_state"] = self.state_dict()
+        return payload
 
     # ------------------------------------------------------------------------------ load
     def stage_rank_state(self, payload: dict[str, Any]) -> None:
@@ -102,6 +110,30 @@ class ResumeMixin:
                 f"{payload.get('optimizer')!r}: expected {RANK_FORMAT!r} / {type(self).__name__!r}"
             )
         self._staged_rank_state = payload
+
+    def check_rank_state(self, payload: dict[str, Any]) -> None:
+        """Raise ValueError unless ``payload`` can restore this sharded optimizer (see :meth:`load_rank_state`)."""
+        name = type(self).__name__
+        if "optimizer_state" not in payload:
+            raise ValueError(f"{name}: the rank state holds no complete optimizer state (saved by a DDP run?)")
+        saved = (payload.get("world_size"), payload.get("shard_ranks", 1))
+        if saved != (self.world_size(), self.shard_ranks()):
+            raise ValueError(
+                f"{name}: the rank state was saved on {saved[0]} replicas x {saved[1]} shards, this run has "
+                f"{self.world_size()} x {self.shard_ranks()}; sharded 1-bit optimizer state (per-shard error feedback) "
+                "resumes on the same mesh only"
+            )
+
+    def load_rank_state(self, payload: dict[str, Any]) -> None:
+        """Sharded optimizers: restore this rank's complete state from its ``rank_state_dict()`` payload.
+
+        Raises:
+            ValueError: the payload carries no complete state (it was saved by a DDP run), or was saved
+                on another mesh (replicas x shards).
+        """
+        self.check_rank_state(payload)
+        self.stage_rank_state(payload)
+        self.load_state_dict(payload["optimizer_state"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict()`` (and a staged rank state); the live ``exp_avg_mask`` is kept."""
@@ -164,7 +196,7 @@ class ResumeMixin:
                 p = params[index]
                 self.state[p].update({k: v.to(device=p.device) for k, v in private.items()})
             for index, value in payload["local_params"].items():
-                params[index].copy_(value)
+                local_tensor(params[index]).copy_(value)
         return True
 
     # -------------------------------------------------------------------- first step after load
@@ -195,7 +227,7 @@ class ResumeMixin:
         # torch 2.13 renamed all_gather_into_tensor (the old name warns); older releases lack the new one
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, summary, group=self._process_group)
         nbytes = ring_all_gather_bytes(summary.numel() * 8, world_size)
-        self.wire_meter.record("onebit.replica_check", sent_bytes=nbytes, recv_bytes=nbytes)
+        self.wire_meter.record(f"{self._kind_prefix}.replica_check", sent_bytes=nbytes, recv_bytes=nbytes)
         rows = rows.view(world_size, -1)
         if bool((rows[:, 0] > 0).any()):
             return True
@@ -229,7 +261,7 @@ class ResumeMixin:
             dist.all_reduce(flat, group=self._process_group)
             flat.mul_(1.0 / world_size)
             nbytes = ring_all_reduce_bytes(flat.numel() * flat.element_size(), world_size)
-            self.wire_meter.record("onebit.resync_all_reduce", sent_bytes=nbytes, recv_bytes=nbytes)
+            self.wire_meter.record(f"{self._kind_prefix}.resync_all_reduce", sent_bytes=nbytes, recv_bytes=nbytes)
             offset = 0
             for t in weights + momenta:
                 t.copy_(flat[offset : offset + t.numel()].view(t.shape))

@@ -30,12 +30,26 @@ def test_none_keeps_the_recipe_parallelism_with_every_path_off():
     assert plan_method("none", recipe_method="zero_one_adam", **BASE).parallelism == "ddp"
 
 
-def test_one_bit_optimizer_under_an_fsdp_launch_is_refused(monkeypatch):
+def test_one_bit_optimizer_under_a_1d_fsdp_launch_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(ValueError, match=r"zero_one_adam: runs on DDP.*cpu_2proc_ddp.yaml"):
+    monkeypatch.delenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"zero_one_adam with an FSDP launch config: runs on HSDP shards.*dp_replicate_size >= 2.*cpu_2proc_ddp.yaml"):
         plan_method("zero_one_adam", recipe_method="zero_one_adam", **BASE)
     # `none` under an FSDP launch is stock FSDP2, whatever the recipe's method
     assert plan_method("none", recipe_method="zero_one_adam", **BASE).parallelism == "fsdp2"
+
+
+def test_one_bit_optimizer_under_an_hsdp_launch_runs_on_shards_exact_inside_the_node(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    # the recipe's qsdp section belongs to the qsdp method: codecs stay off unless flags or variables ask
+    plan = plan_method("zero_one_adam", recipe_method="qsdp", **{**BASE, "recipe_qsdp": {"weight_bits": 4, "grad_bits": 4}})
+    assert plan.parallelism == "fsdp2" and plan.onebit is not None
+    assert (plan.qsdp.weight_bits, plan.qsdp.grad_bits, plan.qsdp.replica_grad_bits) == (None, None, None)
+    flagged = plan_method("onebit_adam", recipe_method="qsdp", **{**BASE, "flag_qsdp": {"weight_bits": 8, "grad_bits": 8}})
+    assert (flagged.qsdp.weight_bits, flagged.qsdp.grad_bits) == (8, 8)
+    with pytest.raises(ValueError, match=r"--qsdp_replica_grad_bits=4: with --method zero_one_adam the optimizer compresses"):
+        plan_method("zero_one_adam", recipe_method="qsdp", **{**BASE, "flag_qsdp": {"replica_grad_bits": 4}})
 
 
 def test_deepspeed_launch_is_refused(monkeypatch):

@@ -296,12 +296,15 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
     return dataclasses.replace(inputs, saved=saved, resume_warnings=warnings)
 
 
-def _hierarchy(accelerator: Any) -> str:
-    """`` (hierarchical: R replicas x S shards)`` under hierarchical QSDP, else nothing."""
+def _hierarchy(accelerator: Any, optimizer: Any) -> str:
+    """`` (hierarchical: R replicas x S shards)`` on HSDP (hierarchical QSDP or a sharded 1-bit optimizer), else nothing."""
     handle = getattr(accelerator, "qsdp", None)
-    if handle is None or handle.replicas <= 1:
-        return ""
-    return f" (hierarchical: {handle.replicas} replicas x {handle.world_size} shards)"
+    if handle is not None and handle.replicas > 1:
+        return f" (hierarchical: {handle.replicas} replicas x {handle.world_size} shards)"
+    onebit = getattr(optimizer, "optimizer", optimizer)
+    if getattr(onebit, "is_sharded", False):
+        return f" (hierarchical: {onebit.world_size()} replicas x {onebit.shard_ranks()} shards, 1-bit across replicas)"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -402,7 +405,7 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
         accelerator.print(f"saved {path}")
 
     accelerator.print(
-        f"recipe {recipe.name}: {recipe.task}, method {plan.method} on {plan.parallelism}{_hierarchy(accelerator)}, {accelerator.num_processes} processes, "
+        f"recipe {recipe.name}: {recipe.task}, method {plan.method} on {plan.parallelism}{_hierarchy(accelerator, optimizer)}, {accelerator.num_processes} processes, "
         f"{sum(p.numel() for p in unwrapped.parameters()):,} parameters (local), {cfg['max_steps']} steps of "
         f"{cfg['per_device_batch_size']} x {cfg['gradient_accumulation_steps']} x {accelerator.num_processes} sequences"
     )

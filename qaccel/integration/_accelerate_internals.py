@@ -4,7 +4,11 @@ Checked against accelerate 1.15.0 (:data:`ACCELERATE`). What is read, and why no
 
 - ``Accelerator._optimizers``: every optimizer ``prepare`` returned, across all ``prepare`` calls
   (``accelerator.py``). A model and its optimizer may be prepared in different calls, and 0/1 Adam's
-  DDP hook needs both, so :func:`prepared_optimizers` looks at all of them.
+  DDP hook needs both, so :func:`prepared_optimizers` looks at all of them. ``save_state`` and
+  ``load_state`` write and read every optimizer in that list with Accelerate's own code; a 1-bit
+  optimizer on HSDP shards keeps a different state on every rank, which Accelerate's FSDP path
+  (``get_optimizer_state_dict``, one copy per shard) cannot hold, so :func:`optimizers_left_out`
+  takes it out of the list for the duration of the call and qaccel writes it per rank.
 - Not an attribute but a behaviour: which modules ``fsdp2_prepare_model`` shards on their own after
   the auto-wrap (:func:`fsdp2_carved_out_modules`, mirroring its rule and its private
   ``_find_final_norm``), so that qaccel's wrap never nests a unit around one of them.
@@ -35,6 +39,7 @@ __all__ = [
     "ACCELERATE",
     "fsdp2_carved_out_modules",
     "prepared_optimizers",
+    "optimizers_left_out",
     "defer_parallelism_check",
     "run_deferred_parallelism_check",
     "fsdp2_shards_within_nodes",
@@ -53,6 +58,24 @@ def prepared_optimizers(accelerator: Any) -> list[Any]:
     """
     purpose = "finding a prepared 1-bit optimizer and its DDP model across prepare calls"
     return list(ACCELERATE.get(accelerator, "_optimizers", purpose, owner="Accelerator"))
+
+
+@contextmanager
+def optimizers_left_out(accelerator: Any, left_out: list[Any]) -> Iterator[None]:
+    """Within the block, ``Accelerator._optimizers`` lacks ``left_out`` (``save_state`` / ``load_state`` skip them).
+
+    The list is restored afterwards, also when the block raises.
+    """
+    purpose = "saving a sharded 1-bit optimizer per rank instead of through Accelerate's FSDP optimizer path"
+    everything = ACCELERATE.get(accelerator, "_optimizers", purpose, owner="Accelerator")  # restored as the same list
+    if not left_out:
+        yield
+        return
+    ACCELERATE.set(accelerator, "_optimizers", [opt for opt in everything if all(opt is not out for out in left_out)], purpose, owner="Accelerator")
+    try:
+        yield
+    finally:
+        ACCELERATE.set(accelerator, "_optimizers", everything, purpose, owner="Accelerator")
 
 
 def fsdp2_carved_out_modules(model: nn.Module) -> list[nn.Module]:

@@ -16,8 +16,9 @@ Order (``docs/qsdp.md``, "Accelerate"):
 4. ``preparing``: around Accelerate's ``prepare``; under hierarchical QSDP (``dp_replicate_size``
    R > 1) Accelerate shards on the intra-node ``dp_shard_cp`` mesh instead of the 2-D one.
 5. ``after_prepare``: install the comms on every FSDP2 unit of the prepared model (with the
-   ``dp_replicate`` group as replica group under hierarchical QSDP) and the step hook on the
-   prepared optimizer(s); register the seed state for ``save_state``.
+   ``dp_replicate`` group as replica group under hierarchical QSDP, unless a 1-bit optimizer owns
+   the replicas) and the step hook on the prepared optimizer(s); register the seed state for
+   ``save_state``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer
 from .._settings import env_flag
 from ..checkpoint import QSDP_STATE_FILE, atomic_write_json, read_json
 from ..fsdp import QSDPConfig, QSDPHandle, install_qsdp
+from ..optim import OneBitOptimizerBase
 from ._accelerate_internals import (
     REPLICATE_DIM,
     defer_parallelism_check,
@@ -51,7 +53,7 @@ from ._accelerate_internals import (
 )
 from .cpu_fsdp import enable_fsdp2_on_cpu
 
-__all__ = ["QSDPPlugin", "before_init", "after_init", "plan_auto_wrap", "before_prepare", "preparing", "after_prepare"]
+__all__ = ["QSDPPlugin", "before_init", "after_init", "plan_auto_wrap", "before_prepare", "preparing", "after_prepare", "is_hierarchical"]
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +343,7 @@ def before_prepare(accelerator: Any, args: tuple) -> None:
         raise ValueError("QSDP: pass the model and its optimizer to the same accelerator.prepare call (FSDP2 requires it)")
 
 
-def _is_hierarchical(accelerator: Any) -> bool:
+def is_hierarchical(accelerator: Any) -> bool:
     """QSDP with ``ParallelismConfig(dp_replicate_size=R > 1, dp_shard_size=S)``: hierarchical QSDP."""
     parallelism = getattr(accelerator, "parallelism_config", None)
     return _qsdp_plugin(accelerator) is not None and parallelism is not None and (parallelism.dp_replicate_size or 1) > 1
@@ -349,7 +351,7 @@ def _is_hierarchical(accelerator: Any) -> bool:
 
 def preparing(accelerator: Any) -> contextlib.AbstractContextManager:
     """Context for Accelerate's ``prepare``: hierarchical QSDP shards on the intra-node mesh only."""
-    return fsdp2_shards_within_nodes(accelerator) if _is_hierarchical(accelerator) else contextlib.nullcontext()
+    return fsdp2_shards_within_nodes(accelerator) if is_hierarchical(accelerator) else contextlib.nullcontext()
 
 
 def after_prepare(accelerator: Any, objects: list) -> None:
@@ -363,7 +365,10 @@ def after_prepare(accelerator: Any, objects: list) -> None:
     if len(models) > 1:
         raise NotImplementedError(f"QSDP: {len(models)} FSDP models in one prepare call; Accelerate's FSDP2 path takes one")
     optimizers = [obj.optimizer if isinstance(obj, AcceleratedOptimizer) else obj for obj in objects if isinstance(obj, (AcceleratedOptimizer, torch.optim.Optimizer))]
-    replica_group = accelerator.torch_device_mesh[REPLICATE_DIM].get_group() if _is_hierarchical(accelerator) else None
+    # A 1-bit optimizer owns the traffic across replicas (qaccel.integration._zero_one_adam): QSDP then
+    # runs inside the node only, and replica_grad_bits is not used.
+    onebit = any(isinstance(opt, OneBitOptimizerBase) for opt in optimizers)
+    replica_group = accelerator.torch_device_mesh[REPLICATE_DIM].get_group() if is_hierarchical(accelerator) and not onebit else None
     handle: QSDPHandle = install_qsdp(models[0], plugin.qsdp_config, optimizers=optimizers, meter=accelerator.wire_meter, replica_group=replica_group)
     accelerator.qsdp = handle
     # The seed counters drive the rounding noise; save_state/load_state carry them for exact

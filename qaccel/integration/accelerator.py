@@ -66,6 +66,7 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         _qsdp.before_prepare(self, args)
+        _zero_one_adam.before_prepare(self, args)
         with _qsdp.preparing(self):
             prepared = super().prepare(*args, device_placement=device_placement)
         # Accelerate returns the bare object for one argument and a list otherwise.
@@ -73,6 +74,17 @@ class Accelerator(accelerate.Accelerator):
         _qsdp.after_prepare(self, objects)
         _zero_one_adam.after_prepare(self, objects)
         return prepared
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:
+        """Accelerate's ``save_state``; a 1-bit optimizer on HSDP shards is written to per-rank files only."""
+        with _zero_one_adam.state_saved_per_rank(self):
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any) -> None:
+        """Accelerate's ``load_state``; then a 1-bit optimizer on HSDP shards is restored from its rank file."""
+        with _zero_one_adam.state_saved_per_rank(self):
+            super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        _zero_one_adam.after_load_state(self)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """Accelerate's ``clip_grad_norm_``; warns once when a 1-bit optimizer would clip rank-locally."""

@@ -1,10 +1,13 @@
 """From a method name to the Accelerator, plugin and optimizer that run it.
 
 ``scripts/train.py`` picks its distributed set-up from the method alone, so plain ``torchrun``
-works without a launch file: QSDP needs FSDP2, the 1-bit optimizers need DDP (their comm hook
+works without a launch file: QSDP needs FSDP2, the 1-bit optimizers run on DDP (their comm hook
 replaces DDP's all-reduce), and ``none`` runs the same sharding as the recipe's own method, so a
-stock run is the like-for-like baseline of the compressed one. A launch file that asks for the
-other kind of parallelism is refused before any process group work starts.
+stock run is the like-for-like baseline of the compressed one. A launch file that asks for
+DeepSpeed is refused before any process group work starts. A 1-bit optimizer launched with an FSDP
+config runs on HSDP shards (``dp_replicate_size`` >= 2 replicas of ``dp_shard_size`` shards, the
+optimizer compressing across replicas); its intra-node QSDP codecs are off unless ``--qsdp_*`` flags
+or ``QACCEL_QSDP_*`` variables turn them on.
 """
 
 from __future__ import annotations
@@ -113,8 +116,8 @@ def plan_method(
     the recipe, then the default.
 
     Raises:
-        ValueError: an unknown method, a bad setting (naming it), or a launch that asks for FSDP
-            with a 1-bit optimizer / DeepSpeed with any qaccel method.
+        ValueError: an unknown method, a bad setting (naming it), a launch that asks for DeepSpeed,
+            or an FSDP launch of a 1-bit optimizer without replicas (``dp_replicate_size`` < 2).
     """
     if method not in METHODS:
         raise ValueError(f"--method {method!r}: unknown; choose one of {', '.join(METHODS)}")
@@ -126,25 +129,37 @@ def plan_method(
             "the launch config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true); qaccel methods run on "
             "FSDP2 (qsdp) or DDP (zero_one_adam, onebit_adam): use launch_configs/cpu_2proc_qsdp.yaml or cpu_2proc_ddp.yaml"
         )
-    if method == "qsdp" or (method == "none" and recipe_method == "qsdp") or (method == "none" and launch == "fsdp2"):
+    if method == "qsdp" or (method == "none" and (recipe_method == "qsdp" or launch == "fsdp2")):
         parallelism = "fsdp2"
+    elif method in _ONEBIT_CONFIGS and launch == "fsdp2":
+        parallelism = "fsdp2"  # on HSDP shards
+        replicas = os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1") if launch_parallelism == LAUNCH_FROM_ENV else None
+        if replicas is not None and int(replicas or 1) < 2:
+            raise ValueError(
+                f"--method {method} with an FSDP launch config: runs on HSDP shards and needs parallelism_config "
+                f"parallelism_config_dp_replicate_size >= 2 (got {replicas}); use launch_configs/cpu_2x2_hqsdp.yaml, "
+                "or a DDP launch (launch_configs/cpu_2proc_ddp.yaml, plain torchrun)"
+            )
     else:
         parallelism = "ddp"
-    if parallelism == "ddp" and launch == "fsdp2":
-        raise ValueError(
-            f"--method {method}: runs on DDP (its communication hook replaces DDP's all-reduce), but the launch "
-            "config asks for FSDP (distributed_type: FSDP); launch with launch_configs/cpu_2proc_ddp.yaml "
-            "(or gpu_1node_8_ddp.yaml), or plain torchrun"
-        )
     qsdp = onebit = None
     if parallelism == "fsdp2":
         known = {f.name for f in fields(QSDPConfig)}
         _refuse_unknown("qsdp", {**recipe_qsdp, **flag_qsdp}, known)
-        settings = dict(flag_qsdp)
+        settings, recipe_section = dict(flag_qsdp), recipe_qsdp
         if method == "none":  # stock FSDP2 (or HSDP), its traffic still counted by pass-through comms
             settings.update(weight_bits=None, grad_bits=None, replica_grad_bits=None)
+        elif method in _ONEBIT_CONFIGS:
+            if flag_qsdp.get("replica_grad_bits") is not None:
+                raise ValueError(
+                    f"--qsdp_replica_grad_bits={flag_qsdp['replica_grad_bits']}: with --method {method} the optimizer "
+                    "compresses the traffic across replicas itself (1 bit, or nothing on local steps); drop the flag"
+                )
+            settings["replica_grad_bits"] = None
+            # The recipe's qsdp section configures the qsdp method; exact inside a node unless asked.
+            recipe_section = {"weight_bits": None, "grad_bits": None}
         # the recipe's section sits where a config file would: below the QACCEL_QSDP_* variables
-        qsdp = QSDPConfig.from_env(recipe=recipe_qsdp, **settings)
+        qsdp = QSDPConfig.from_env(recipe=recipe_section, **settings)
     if method in _ONEBIT_CONFIGS:
         cls = _ONEBIT_CONFIGS[method]
         _refuse_unknown(method, {**recipe_onebit, **flag_onebit}, set(cls.field_names()))

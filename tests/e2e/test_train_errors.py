@@ -89,7 +89,7 @@ EXPECTED = {
     "qsdp_unknown_flag": ("UsageError", ["unrecognized arguments: --qsdp_bits 4"]),
     "zoadam_schedule": ("ValueError", ["var_freeze_step", "-1"]),
     "zoadam_unsupported_value": ("NotImplementedError", ["ZeroOneAdamConfig.amsgrad=True: must be False"]),
-    "zero_one_adam_under_fsdp_launch": ("ValueError", ["runs on DDP", "cpu_2proc_ddp.yaml"]),
+    "zero_one_adam_under_fsdp_launch": ("ValueError", ["runs on HSDP shards", "dp_replicate_size >= 2", "cpu_2x2_hqsdp.yaml", "cpu_2proc_ddp.yaml"]),
     "deepspeed_launch": ("ValueError", ["DeepSpeed", "cpu_2proc_qsdp.yaml"]),
     "resume_missing_folder": ("CheckpointError", ["gone: no such directory"]),
     "resume_not_a_checkpoint": ("CheckpointError", ["no manifest.json", "not a complete qaccel checkpoint"]),

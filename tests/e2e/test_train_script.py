@@ -134,10 +134,11 @@ def test_bert_tiny_zero_one_adam_and_stock_ddp_under_plain_torchrun(tmp_path):
     assert state["method"] == "zero_one_adam" and state["method_config"]["var_freeze_step"] == recipe.method.zero_one_adam["var_freeze_step"]
 
 
-def test_one_bit_optimizer_under_the_fsdp_launch_config_fails_fast_with_the_fix(tmp_path):
+def test_one_bit_optimizer_under_a_1d_fsdp_launch_config_fails_fast_with_the_fix(tmp_path):
+    # A 1-bit optimizer runs on FSDP only as HSDP shards (replicas to compress across); a 1-D mesh has none.
     proc = launch(QSDP_CONFIG, "--recipe", "bert-tiny", "--output_dir", str(tmp_path / "x"), check=False)
     assert proc.returncode != 0
-    assert "cpu_2proc_ddp.yaml" in proc.stderr and "runs on DDP" in proc.stderr
+    assert "cpu_2proc_ddp.yaml" in proc.stderr and "dp_replicate_size >= 2" in proc.stderr
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 

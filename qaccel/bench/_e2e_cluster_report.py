@@ -7,19 +7,35 @@ The rows come from ``_e2e_report.summarize`` like the one-node ones, with the by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
+from ._e2e_methods import PAPER_SCHEDULES
 from ._e2e_report import _find, _goal, _mb, _s, failed_line, fraction_cell, speedup_cells, step_cell
 from ._e2e_report import write_markdown as _write_block
 
-__all__ = ["evaluate_goals", "render_markdown", "write_markdown", "plot", "progress_line", "GOAL_BANDWIDTH", "HQSDP"]
+__all__ = [
+    "evaluate_goals",
+    "render_markdown",
+    "write_markdown",
+    "plot",
+    "progress_line",
+    "GOAL_BANDWIDTH",
+    "HQSDP",
+    "HSDP_ZERO_ONE",
+    "rate_for_step_goal",
+]
 
 MARK_BEGIN = "<!-- qaccel bench e2e --nodes: begin (generated; edit the generator, not this block) -->"
 MARK_END = "<!-- qaccel bench e2e --nodes: end -->"
 GOAL_BANDWIDTH = "100mbit"
 HQSDP = "hqsdp-w8g8-r4"  # the issue's hierarchical QSDP: W8G8 inside a node, 4-bit gradients between nodes
-_BYTES_GOALS = (("fsdp2-fp32", 1 / 16), ("hsdp-fp32", 1 / 7))  # HQSDP's inter-node bytes / baseline's <= target
-_STEP_GOALS = (("fsdp2-fp32", 4.0), ("hsdp-fp32", 2.0))  # baseline step time / HQSDP's >= target
+HSDP_ZERO_ONE = "hsdp-zero-one-adam"  # the issue's 0/1 Adam on HSDP shards, weighted by the paper's schedule
+# (method, bytes goals: its inter-node bytes / the baseline's <= target, step goals: baseline step time / its >= target)
+_GOALS = (
+    (HQSDP, (("fsdp2-fp32", 1 / 16), ("hsdp-fp32", 1 / 7)), (("fsdp2-fp32", 4.0), ("hsdp-fp32", 2.0))),
+    (HSDP_ZERO_ONE, (("hsdp-fp32", 1 / 100),), (("hsdp-fp32", 3.0),)),
+)
 IDEAL_FRACTION = 0.85
 
 write_markdown = partial(_write_block, begin=MARK_BEGIN, end=MARK_END)
@@ -36,54 +52,50 @@ def _bound(row: dict) -> str:
     return f"{row['label']}'s ideal is bound by {which} ({compute:.2f} s compute, {comm:.2f} s link)"
 
 
+def _by_kind(row: dict, value: Callable[[dict], float], unit: str) -> str:
+    """What a schedule-weighted figure is made of: ``value`` of each step kind of ``row`` with the kind's weight."""
+    kinds = sorted(
+        ((kind, k) for kind, k in row["per_kind"].items() if kind != "init"), key=lambda item: -item[1]["weight"]
+    )
+    return "; per step kind (weight x median): " + ", ".join(
+        f"{kind} {k['weight']:.1%} x {value(k):.3g} {unit}" for kind, k in kinds
+    )
+
+
 def evaluate_goals(rows: list[dict]) -> list[dict]:
-    """The issue's two-node goals at ``GOAL_BANDWIDTH``, each with the figure at the ideals and, when missed, why.
+    """The issue's several-node goals at ``GOAL_BANDWIDTH``, each with the figure at the ideals and, when missed, why.
 
     ``value`` is measured; ``ideal`` is the same figure if every row ran at its full-overlap ideal (step-time
-    goals) or by the meter's formulas (bytes goals); ``reason`` says what limits a missed goal.
+    goals) or by the meter's formulas (bytes goals); ``reason`` says what limits a missed goal. A 1-bit row's
+    figures are weighted by the paper's schedule (``_e2e_report.summarize``); its goals say so in their name
+    and, when missed, break the figure down by step kind.
     """
     goals = []
     at = [r for r in rows if "step_s" in r and r["bandwidth"] == GOAL_BANDWIDTH and "inter_node_bytes_per_step" in r]
     prefetches = sorted({r["prefetch"] for r in at if r["prefetch"] is not None}) or [False]
     for prefetch in prefetches:
-        fast = _find(at, GOAL_BANDWIDTH, HQSDP, prefetch)
-        if fast is None or bool(fast["prefetch"]) != bool(prefetch):
-            continue
-        for base, target in _BYTES_GOALS:
-            slow = _find(at, GOAL_BANDWIDTH, base, prefetch)
-            if slow is None or bool(slow["prefetch"]) != bool(prefetch):
+        for method, bytes_goals, step_goals in _GOALS:
+            fast = _find(at, GOAL_BANDWIDTH, method, prefetch)
+            if fast is None or bool(fast["prefetch"]) != bool(prefetch):
                 continue
-            value = fast["inter_node_bytes_per_step"] / slow["inter_node_bytes_per_step"]
-            meter = _meter_total(fast, "inter_node") / _meter_total(slow, "inter_node")
-            goal = _goal(
-                f"{fast['label']} / {slow['label']} inter-node bytes (veth)", GOAL_BANDWIDTH, value, "<=", target
-            )
-            goal["ideal"] = meter
-            goal["reason"] = None if goal["met"] else (
-                f"the meter's formulas give {meter:.3f}; on the link {fast['label']} sends {fast['inter_node_link_over_meter']:.2f}x "
-                f"its meter's inter-node bytes and {slow['label']} {slow['inter_node_link_over_meter']:.2f}x (TCP/IP headers, "
-                "acknowledgements, barriers, gloo's algorithm)"
-            )  # fmt: skip
-            goals.append(goal)
-        for base, target in _STEP_GOALS:
-            slow = _find(at, GOAL_BANDWIDTH, base, prefetch)
-            if slow is None or bool(slow["prefetch"]) != bool(prefetch) or fast["ideal_full_overlap_s"] is None:
-                continue
-            value = slow["step_s"] / fast["step_s"]
-            ideal = slow["ideal_full_overlap_s"] / fast["ideal_full_overlap_s"]
-            goal = _goal(f"{slow['label']} / {fast['label']} step time", GOAL_BANDWIDTH, value, ">=", target)
-            goal["ideal"] = ideal
-            if goal["met"]:
-                goal["reason"] = None
-            elif ideal < target:
-                goal["reason"] = f"even at both full-overlap ideals the ratio is {ideal:.2f}x: {_bound(fast)}"
-            else:
-                goal["reason"] = (f"at the ideals it would be {ideal:.2f}x, but {fast['label']} ran at "
-                                  f"{fast['fraction_of_ideal_full_overlap']:.0%} of its ideal and {slow['label']} at "
-                                  f"{slow['fraction_of_ideal_full_overlap']:.0%}")  # fmt: skip
-            goals.append(goal)
-    for row in at:
-        if row["method"].startswith("hqsdp-") and row["fraction_of_ideal_full_overlap"] is not None:
+            for base, target in bytes_goals:
+                slow = _find(at, GOAL_BANDWIDTH, base, prefetch)
+                if slow is not None and bool(slow["prefetch"]) == bool(prefetch):
+                    goals.append(_bytes_goal(fast, slow, target))
+            for base, target in step_goals:
+                slow = _find(at, GOAL_BANDWIDTH, base, prefetch)
+                if (
+                    slow is not None
+                    and bool(slow["prefetch"]) == bool(prefetch)
+                    and fast["ideal_full_overlap_s"] is not None
+                ):
+                    goals.append(_step_goal(fast, slow, target))
+    for row in at:  # hierarchical QSDP's own goal (its AdamW rows: a 1-bit row's step kinds have different ideals)
+        if (
+            row["method"].startswith("hqsdp-")
+            and not row["schedule_weighted"]
+            and row["fraction_of_ideal_full_overlap"] is not None
+        ):
             goal = _goal(
                 f"{row['label']} at the full-overlap ideal",
                 GOAL_BANDWIDTH,
@@ -99,6 +111,72 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
             )  # fmt: skip
             goals.append(goal)
     return goals
+
+
+def _weighted_suffix(row: dict) -> str:
+    return ", weighted by the paper's schedule" if row["schedule_weighted"] else ""
+
+
+def _bytes_goal(fast: dict, slow: dict, target: float) -> dict:
+    """``fast``'s inter-node bytes (veth) over ``slow``'s <= ``target``; ideal: the same ratio of the meters."""
+    value = fast["inter_node_bytes_per_step"] / slow["inter_node_bytes_per_step"]
+    meter = _meter_total(fast, "inter_node") / _meter_total(slow, "inter_node")
+    name = f"{fast['label']} / {slow['label']} inter-node bytes (veth){_weighted_suffix(fast)}"
+    goal = _goal(name, GOAL_BANDWIDTH, value, "<=", target)
+    goal["ideal"] = meter
+    if goal["met"]:
+        goal["reason"] = None
+        return goal
+    goal["reason"] = (
+        f"the meter's formulas give {meter:.3g}; on the link {fast['label']} sends {fast['inter_node_link_over_meter']:.2f}x "
+        f"its meter's inter-node bytes and {slow['label']} {slow['inter_node_link_over_meter']:.2f}x (TCP/IP headers, "
+        "acknowledgements, barriers, gloo's algorithm)"
+    )  # fmt: skip
+    if fast["schedule_weighted"]:
+        goal["reason"] += _by_kind(fast, lambda kind: kind["inter_node_bytes"] / 1e6, "MB")
+    return goal
+
+
+def _step_goal(fast: dict, slow: dict, target: float) -> dict:
+    """``slow``'s step time over ``fast``'s >= ``target``; ideal: the same ratio of the full-overlap ideals."""
+    value = slow["step_s"] / fast["step_s"]
+    ideal = slow["ideal_full_overlap_s"] / fast["ideal_full_overlap_s"]
+    goal = _goal(
+        f"{slow['label']} / {fast['label']} step time{_weighted_suffix(fast)}", GOAL_BANDWIDTH, value, ">=", target
+    )
+    goal["ideal"] = ideal
+    if goal["met"]:
+        goal["reason"] = None
+        return goal
+    if ideal < target:
+        goal["reason"] = f"even at both full-overlap ideals the ratio is {ideal:.2f}x: {_bound(fast)}"
+        rate = rate_for_step_goal(fast, slow, target)
+        if rate is not None:
+            goal["reason"] += (
+                f"; at {rate / 1e6:.3g} Mbit/s or slower {slow['label']}'s link time alone is {target:g}x "
+                f"{fast['label']}'s compute, and the ideals reach the target"
+            )
+    else:
+        goal["reason"] = (f"at the ideals it would be {ideal:.2f}x, but {fast['label']} ran at "
+                          f"{fast['fraction_of_ideal_full_overlap']:.0%} of its ideal and {slow['label']} at "
+                          f"{slow['fraction_of_ideal_full_overlap']:.0%}")  # fmt: skip
+    if fast["schedule_weighted"]:
+        goal["reason"] += _by_kind(fast, lambda kind: kind["seconds"]["median"], "s")
+    return goal
+
+
+def rate_for_step_goal(fast: dict, slow: dict, target: float) -> float | None:
+    """The link rate (bits/s) at or below which ``slow``'s full-overlap ideal is ``target`` x ``fast``'s, from the
+    rows' busiest-direction bytes and compute times; None when no rate does (``fast`` sends too much for it).
+
+    Below it ``slow`` is link-bound with ``B_slow x 8 / rate >= target x T_compute(fast)``, and since
+    ``B_slow >= target x B_fast`` also ``>= target x`` ``fast``'s link time: so ``>= target x`` its ideal.
+    """
+    slow_bytes = slow["inter_node_busiest_direction_bytes_per_step"]
+    fast_bytes = fast["inter_node_busiest_direction_bytes_per_step"]
+    if not fast.get("t_compute_s") or slow_bytes < target * fast_bytes:
+        return None
+    return slow_bytes * 8 / (target * fast["t_compute_s"])
 
 
 def progress_line(label: str, row: dict, wall_s: float) -> str:
@@ -132,7 +210,7 @@ def render_markdown(report: dict, image: str | None = None) -> str:
         f"{s['world_size']} ranks over gloo, {s['threads']} thread(s) per rank; 1-minute load average when each configuration "
         f"started: {_load(report)} (other jobs share the CPUs). Model `{s['model']}`: {report['num_params']:,} parameters, "
         f"per-rank batch {s['batch_size']} x {s['seq_len']} tokens, AdamW (lr {s['lr']}); {s['steps']} measured steps after "
-        f"{s['warmup']} warm-up steps per configuration.",
+        f"{s['warmup']} warm-up steps per configuration.{_schedule_sentence(report)}",
         "",
         "```bash",
         report["command"],
@@ -170,6 +248,7 @@ def render_markdown(report: dict, image: str | None = None) -> str:
                 f"{_s(r['ideal_full_overlap_s'])} | {fraction_cell(r)} | {speedup_cells(r, ('fsdp2-fp32', 'hsdp-fp32'))} |"
             )
         lines.append("")
+    lines += _per_kind_table(report["results"])
     if report["goals"]:
         lines += [
             "### Goals (two nodes)",
@@ -192,13 +271,59 @@ def render_markdown(report: dict, image: str | None = None) -> str:
         "whole job's bytes by level (per rank x ranks): qaccel's wire meter, or for stock FSDP2 and HSDP (*ring*) the ring "
         "formula applied to every collective torch issued; a collective counts as inter-node when its group spans nodes, so "
         "every collective of a flat method (FSDP2 or QSDP over all ranks) is inter-node, and for HSDP and hierarchical QSDP "
-        "only the replica all-reduce. `T_comm` = the busiest direction's veth bytes x 8 / rate (each direction of each link "
+        "only the replica traffic (the 1-bit rows on HSDP shards: the exact all-reduce of full steps and the 1-bit "
+        "optimizer's compressed all-reduce, meter kinds `hsdp.*`). `T_comm` = the busiest direction's veth bytes x 8 / rate (each direction of each link "
         "has the full rate; the loopbacks are unshaped and counted as free). Ideal: `max(T_compute, T_comm)`, with "
         "`T_compute` measured in the same job. *at the ideals*: the goal's figure if every row ran at its full-overlap ideal "
         "(step-time goals) or as the meter's formulas say (bytes goals).",
         MARK_END,
     ]
     return "\n".join(lines) + "\n"
+
+
+def _schedule_sentence(report: dict) -> str:
+    """How the 1-bit rows were measured and weighted (empty when the run has none)."""
+    weighted = list(dict.fromkeys(r["method"] for r in report["results"] if r.get("schedule_weighted")))
+    if not weighted:
+        return ""
+    zero_one = ", ".join(f"{k} {v:,}" for k, v in PAPER_SCHEDULES["zero_one"].items())
+    return (
+        f" 1-bit optimizer rows ({', '.join(weighted)}, same lr) run a probe schedule with "
+        f"{report['settings']['steps']} steady steps of every step kind; each figure is the per-kind medians weighted "
+        f"by the step kinds' shares of the 0/1 Adam paper's BERT-Large schedule (T = {PAPER_SCHEDULES['total_steps']:,} "
+        f"steps; 0/1 Adam {zero_one}; 1-bit Adam freeze_step {PAPER_SCHEDULES['onebit']['freeze_step']:,}), as for the "
+        "one-node 1-bit rows."
+    )
+
+
+def _per_kind_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: every schedule-weighted row's figures per step kind (none when no row is weighted)."""
+    weighted = [r for r in rows if r.get("per_kind") and "inter_node_bytes_per_step" in r]
+    if not weighted:
+        return []
+    lines = [
+        "### 1-bit optimizers by step kind",
+        "",
+        "| configuration | at | step kind | weight in the paper's schedule | samples | step s (median) | "
+        "inter-node MB/step: veth | meter |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in weighted:
+        for kind, k in r["per_kind"].items():
+            samples = f"{k['seconds']['n']}" + ("" if k["steady"] else " (not steady)")
+            meter = k["meter_inter_node_bytes_per_rank"] * r["world_size"]
+            lines.append(
+                f"| {r['label']} | {r['bandwidth']} | {kind} | {k['weight']:.4%} | {samples} | {k['seconds']['median']:.2f} | "
+                f"{_mb(k['inter_node_bytes'])} | {_mb(meter)} |"
+            )
+    lines += [
+        "",
+        "A row's step time and bytes above are the sum of these medians times their weights. *full* steps (warm-up "
+        "and variance updates) all-reduce the gradient shard exactly across the nodes; *onebit_gradient*, *sync* and "
+        "*onebit_momentum* steps send it 1-bit compressed; *local* steps send nothing between the nodes.",
+        "",
+    ]
+    return lines
 
 
 # -- plot ----------------------------------------------------------------------------------------------

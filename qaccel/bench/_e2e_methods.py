@@ -20,8 +20,11 @@ __all__ = [
     "parse_methods",
     "config_label",
     "onebit_probe",
+    "make_schedule",
+    "paper_counts",
     "PAPER_SCHEDULES",
     "NODES_DEFAULT_METHODS",
+    "NODES_ONEBIT_METHODS",
     "default_methods",
     "check_methods_for_nodes",
 ]
@@ -39,13 +42,18 @@ class Method:
             compute-only reference.
         qsdp: ``(weight_bits, grad_bits)`` when qaccel's comms are installed on the FSDP2 units
             (``(None, None)``: installed but both paths off, the metered pass-through); ``None``: stock FSDP2.
-        ddp: DDP flavour: ``"adamw"``, ``"powersgd"``, ``"bf16"``, ``"onebit"``, ``"zero_one"``.
+        ddp: DDP's gradient hook: ``"adamw"`` (qaccel's metered all-reduce), ``"powersgd"``, ``"bf16"`` or
+            ``"onebit"`` (qaccel's 1-bit hook, :func:`qaccel.optim.register_ddp_comm_hook`, which follows the
+            optimizer's comm plan).
+        optimizer: ``"adamw"`` (torch's AdamW), ``"onebit"`` (1-bit Adam) or ``"zero_one"`` (0/1 Adam). A 1-bit
+            optimizer runs under DDP (``ddp="onebit"``) or, on several nodes, on the node-sharded FSDP2 units of
+            ``mesh="hqsdp"``, where :func:`qaccel.optim.register_hsdp_comm_hook` hands it the traffic across nodes.
         meter: ``"qaccel"`` (bytes recorded by qaccel's WireMeter) or ``"ring"`` (the ring formula applied
             to every collective torch issues, counted by wrapping ``torch.distributed``'s functions).
         mesh: ``"flat"`` (one group of all ranks, whatever the node count), ``"hsdp"`` (stock FSDP2 on the
-            2-D mesh: sharded within a node, replicated across nodes) or ``"hqsdp"`` (hierarchical QSDP:
-            FSDP2 on the intra-node mesh, qaccel's all-reduce across the replica group). The last two need
-            several nodes.
+            2-D mesh: sharded within a node, replicated across nodes) or ``"hqsdp"`` (FSDP2 on the intra-node
+            mesh, qaccel across the replica group: hierarchical QSDP's all-reduce with AdamW, the 1-bit
+            optimizer's compressed all-reduce with ``optimizer`` 1-bit). The last two need several nodes.
         replica_grad_bits: hierarchical QSDP's bits per gradient across nodes (``None``: exact fp32).
         reduce_scatter: ``"fsdp"`` (the installed comm's own) or ``"alltoall"``: qaccel's exact
             :func:`qaccel.comm.alltoall_reduce_scatter` in place of gloo's, which all-reduces the whole
@@ -65,6 +73,20 @@ class Method:
     replica_grad_bits: int | None = None
     reduce_scatter: str = "fsdp"
     ddp_buckets: str = "default"
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(
+                f"Method {self.name}: optimizer={self.optimizer!r}, expected one of {', '.join(_OPTIMIZERS)}"
+            )
+        onebit = self.optimizer != "adamw"
+        if self.parallel == "ddp" and onebit != (self.ddp == "onebit"):
+            raise ValueError(f"Method {self.name}: a 1-bit optimizer under DDP needs ddp='onebit' and only it "
+                             f"(got optimizer={self.optimizer!r}, ddp={self.ddp!r})")  # fmt: skip
+        if self.parallel == "fsdp" and onebit and self.mesh != "hqsdp":
+            raise ValueError(f"Method {self.name}: a 1-bit optimizer on FSDP2 shards needs mesh='hqsdp' (it owns the "
+                             f"traffic across nodes), got mesh={self.mesh!r}")  # fmt: skip
 
     @property
     def needs_nodes(self) -> bool:
@@ -74,7 +96,10 @@ class Method:
     @property
     def schedule_weighted(self) -> bool:
         """1-bit optimizers change what a step sends over the run: their figures are weighted by step kind."""
-        return self.ddp in ("onebit", "zero_one")
+        return self.optimizer != "adamw"
+
+
+_OPTIMIZERS = ("adamw", "onebit", "zero_one")
 
 
 _TABLE = (
@@ -89,19 +114,33 @@ _TABLE = (
     Method("ddp-adamw", "DDP AdamW", "ddp", ddp="adamw"),
     Method("ddp-powersgd", "DDP AdamW + PowerSGD hook (rank 1, one DDP bucket)", "ddp", ddp="powersgd", meter="ring", ddp_buckets="one"),
     Method("ddp-bf16", "DDP AdamW + bf16 compression hook", "ddp", ddp="bf16", meter="ring"),
-    Method("onebit-adam", "1-bit Adam", "ddp", ddp="onebit"),
-    Method("zero-one-adam", "0/1 Adam", "ddp", ddp="zero_one"),
+    Method("onebit-adam", "1-bit Adam", "ddp", ddp="onebit", optimizer="onebit"),
+    Method("zero-one-adam", "0/1 Adam", "ddp", ddp="onebit", optimizer="zero_one"),
     # several nodes only (``--nodes`` >= 2): sharded within a node, replicated across nodes
     Method("hsdp-fp32", "HSDP fp32 (stock FSDP2, 2-D mesh)", "fsdp", meter="ring", mesh="hsdp"),
     Method("hqsdp-w8g8-r8", "hierarchical QSDP: W8G8 in a node, 8-bit across", "fsdp", qsdp=(8, 8), mesh="hqsdp", replica_grad_bits=8),
     Method("hqsdp-w8g8-r4", "hierarchical QSDP: W8G8 in a node, 4-bit across", "fsdp", qsdp=(8, 8), mesh="hqsdp", replica_grad_bits=4),
     Method("hqsdp-off-r4", "hierarchical QSDP: exact in a node, 4-bit across", "fsdp", qsdp=(None, None), mesh="hqsdp", replica_grad_bits=4),
+    # 1-bit optimizers on the node's shards: exact inside a node (qaccel's comms with compression off, metered),
+    # exact across nodes on full steps only, 1-bit across on the compressed ones, nothing across on local steps
+    Method("hsdp-zero-one-adam", "0/1 Adam on HSDP shards: exact in a node, 1-bit across, local steps", "fsdp", qsdp=(None, None), mesh="hqsdp", optimizer="zero_one"),
+    Method("hsdp-onebit-adam", "1-bit Adam on HSDP shards: exact in a node, 1-bit momentum across", "fsdp", qsdp=(None, None), mesh="hqsdp", optimizer="onebit"),
+    Method("hqsdp-w8g8-zero-one-adam", "QSDP W8G8 in a node + 0/1 Adam across", "fsdp", qsdp=(8, 8), mesh="hqsdp", optimizer="zero_one"),
 )  # fmt: skip
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
 # one node (and ``all`` there): every method that runs on one node, in table order
 DEFAULT_METHODS: tuple[str, ...] = tuple(name for name, m in METHODS.items() if not m.needs_nodes)
 # several nodes, by default: the issue's comparison (stock FSDP2 and QSDP over all ranks, stock and hierarchical HSDP)
 NODES_DEFAULT_METHODS: tuple[str, ...] = ("fsdp2-fp32", "hsdp-fp32", "qsdp-w8g8", "hqsdp-w8g8-r8", "hqsdp-w8g8-r4", "hqsdp-off-r4")
+# The 1-bit rows on HSDP shards with their baseline, the issue's 0/1 Adam comparison. Not in the default: each
+# runs a probe schedule of 4 to 6 x --steps steps (every step kind --steps times, onebit_probe), about 5 minutes
+# for gpt2-17m at --steps 3 on 2 shared cores, so the four take about 15: run them with --methods.
+NODES_ONEBIT_METHODS: tuple[str, ...] = (
+    "hsdp-fp32",
+    "hsdp-zero-one-adam",
+    "hsdp-onebit-adam",
+    "hqsdp-w8g8-zero-one-adam",
+)
 # --prefetch default: both settings for the two methods the overlap question is about and for the fair fp32
 # baseline they are compared with, off elsewhere.
 PREFETCH_DEFAULT = {"fsdp2-fp32": (False, True), "fsdp2-fp32-a2a": (False, True), "qsdp-w8g8": (False, True)}
@@ -210,38 +249,55 @@ def config_label(method: str, prefetch: bool | None) -> str:
 
 
 def onebit_probe(method: str, samples: int) -> tuple[dict, int]:
-    """A schedule (optimizer kwargs) and step count under which every step kind of ``method`` occurs
-    ``samples`` times in steady state.
+    """A schedule (optimizer kwargs) and step count under which every step kind of ``method``'s 1-bit optimizer
+    occurs ``samples`` times in steady state.
 
     Steady means: neither the first step of its kind nor a step at whose end the phase changes (both
     allocate optimizer state, as in ``qaccel bench comm``). The init step is measured once and counts in
-    the schedule-weighted figures with its (tiny) weight.
+    the schedule-weighted figures with its (tiny) weight. DDP and HSDP rows of one optimizer share the probe.
     """
-    from ..optim import OneBitAdamSchedule, ZeroOneAdamSchedule
-
-    if method == "onebit-adam":
+    optimizer = METHODS[method].optimizer if method in METHODS else None
+    if optimizer == "onebit":
         freeze = samples + 3  # full steps 2..F: the first and the freezing one are not steady
         kwargs = {"freeze_step": freeze}
         candidates = [(kwargs, freeze + samples + 1)]
-        make = lambda kw: OneBitAdamSchedule(**kw)  # noqa: E731
-    elif method == "zero-one-adam":
+    elif optimizer == "zero_one":
         # kappa 2: full steps at 2, 3, then every 2nd, 4th, ... step; the rest of phase 1 is 1-bit gradient
         # steps. Phase 2 syncs every step for alpha = 2 steps, then every second step (H = 2).
         candidates = []
         for freeze in range(4, 200):
             kwargs = {"var_freeze_step": freeze, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 2}
             candidates.append((kwargs, freeze + 1 + 2 * samples + 6))
-        make = lambda kw: ZeroOneAdamSchedule(**kw)  # noqa: E731
     else:
         raise ValueError(f"onebit_probe: {method!r} is not a 1-bit method")
     for kwargs, steps in candidates:
-        counts = steady_counts(make(kwargs), steps)
-        if set(counts) == _KINDS[method] and min(counts.values()) >= samples:
+        counts = steady_counts(make_schedule(optimizer, kwargs), steps)
+        if set(counts) == _KINDS[optimizer] and min(counts.values()) >= samples:
             return kwargs, steps
     raise RuntimeError(f"onebit_probe: no probe schedule gives {samples} steady steps of every kind for {method}")
 
 
-_KINDS = {"onebit-adam": {"full", "onebit_momentum"}, "zero-one-adam": {"full", "onebit_gradient", "sync", "local"}}
+_KINDS = {"onebit": {"full", "onebit_momentum"}, "zero_one": {"full", "onebit_gradient", "sync", "local"}}
+
+
+def make_schedule(optimizer: str, kwargs: dict):  # noqa: ANN201 (qaccel.optim is imported lazily)
+    """A fresh step schedule of the 1-bit ``optimizer`` (``"onebit"`` or ``"zero_one"``) with ``kwargs``."""
+    from ..optim import OneBitAdamSchedule, ZeroOneAdamSchedule
+
+    if optimizer not in _KINDS:
+        raise ValueError(
+            f"make_schedule: optimizer {optimizer!r} has no 1-bit schedule; expected one of {', '.join(_KINDS)}"
+        )
+    return (ZeroOneAdamSchedule if optimizer == "zero_one" else OneBitAdamSchedule)(**kwargs)
+
+
+def paper_counts(optimizer: str) -> dict[str, int]:
+    """Steps of each kind over the paper's whole schedule (``PAPER_SCHEDULES``) for ``"zero_one"`` or ``"onebit"``."""
+    from ..optim import count_step_kinds
+
+    total = PAPER_SCHEDULES["total_steps"]
+    counts = count_step_kinds(lambda: make_schedule(optimizer, PAPER_SCHEDULES[optimizer]), total)
+    return {kind.value: n for kind, n in counts.items() if n}
 
 
 def steady_kinds(schedule, steps: int) -> list[tuple[str, bool]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from ._e2e_methods import METHODS, PAPER_SCHEDULES, config_label, format_rate
+from ._e2e_methods import METHODS, PAPER_SCHEDULES, config_label, format_rate, paper_counts
 
 __all__ = ["summarize", "add_speedups", "evaluate_goals", "render_markdown", "plot", "paper_weights", "BASELINES"]
 
@@ -28,36 +28,35 @@ def _stats(values: list[float]) -> dict:
 
 
 def paper_weights(method: str) -> dict[str, float]:
-    """Fraction of the steps of each kind over the paper's whole schedule (``PAPER_SCHEDULES``)."""
-    from ..optim import OneBitAdamSchedule, ZeroOneAdamSchedule, count_step_kinds
+    """Fraction of the steps of each kind over the paper's whole schedule (``PAPER_SCHEDULES``) for ``method``'s
+    1-bit optimizer: the DDP and the HSDP rows of one optimizer are weighted alike."""
+    counts = paper_counts(METHODS[method].optimizer)
+    return {kind: n / PAPER_SCHEDULES["total_steps"] for kind, n in counts.items()}
 
-    total = PAPER_SCHEDULES["total_steps"]
-    if method == "zero-one-adam":
-        counts = count_step_kinds(lambda: ZeroOneAdamSchedule(**PAPER_SCHEDULES["zero_one"]), total)
-    else:
-        counts = count_step_kinds(lambda: OneBitAdamSchedule(**PAPER_SCHEDULES["onebit"]), total)
-    return {kind.value: n / total for kind, n in counts.items() if n}
+
+def _kind_samples(steps: list[dict], kind: str) -> list[dict]:
+    """The steady steps of ``kind``, or every step of it when none is steady (the init step, measured once)."""
+    return [s for s in steps if s["kind"] == kind and s["steady"]] or [s for s in steps if s["kind"] == kind]
 
 
 def _figure(steps: list[dict], value, weights: dict[str, float] | None) -> float:  # noqa: ANN001
     """``value(step)``'s median over the steady steps; schedule-weighted methods: the weighted sum of per-kind medians."""
     if weights is None:
         return statistics.median(value(s) for s in steps if s["steady"])
-    total = 0.0
-    for kind, weight in weights.items():
-        samples = [s for s in steps if s["kind"] == kind and s["steady"]] or [s for s in steps if s["kind"] == kind]
-        total += weight * statistics.median(value(s) for s in samples)
-    return total
+    return sum(
+        weight * statistics.median(value(s) for s in _kind_samples(steps, kind)) for kind, weight in weights.items()
+    )
+
+
+def _meter_level(level: str):  # noqa: ANN202
+    """A step's meter bytes of ``level`` (``intra_node`` or ``inter_node``), averaged over the ranks."""
+    return lambda s: statistics.fmean(r[level] for r in s["meter_by_level_per_rank"])
 
 
 def _level_figures(steps: list[dict], weights: dict[str, float] | None, world: int) -> dict:
     """A several-node row's bytes per level: interface counters (whole job) and meter (per rank)."""
-
-    def meter_level(level: str):  # noqa: ANN202
-        return lambda s: statistics.fmean(r[level] for r in s["meter_by_level_per_rank"])
-
     inter = _figure(steps, lambda s: s["inter_node_bytes"], weights)
-    meter = {level: _figure(steps, meter_level(level), weights) for level in ("intra_node", "inter_node")}
+    meter = {level: _figure(steps, _meter_level(level), weights) for level in ("intra_node", "inter_node")}
     return {
         "inter_node_bytes_per_step": inter,
         "intra_node_bytes_per_step": _figure(steps, lambda s: s["intra_node_bytes"], weights),
@@ -97,12 +96,10 @@ def summarize(raw: dict, method: str, prefetch: bool | None, rate_bits: float | 
         weights = paper_weights(method)
         per_kind = {}
         for kind in weights:
-            samples = [s for s in steps if s["kind"] == kind and s["steady"]]
-            steady = bool(samples)
-            samples = samples or [s for s in steps if s["kind"] == kind]
+            samples = _kind_samples(steps, kind)
             per_kind[kind] = {
                 "weight": weights[kind],
-                "steady": steady,
+                "steady": samples[0]["steady"],
                 "seconds": _stats([s["seconds"] for s in samples]),
                 "link_bytes": statistics.median(s["link_bytes"] for s in samples),
                 "meter_bytes_per_rank": statistics.median(statistics.fmean(s["meter_sent_bytes_per_rank"]) for s in samples),
@@ -110,7 +107,8 @@ def summarize(raw: dict, method: str, prefetch: bool | None, rate_bits: float | 
         row["per_kind"] = per_kind
         row["schedule"] = dict(PAPER_SCHEDULES, method=method)
         time_stats = {key: sum(k["weight"] * k["seconds"][key] for k in per_kind.values()) for key in ("median", "min", "max", "p25", "p75")}
-        time_stats["n"] = min(k["seconds"]["n"] for k in per_kind.values())
+        # steady samples of the rarest kind (the init step is measured once and never steady)
+        time_stats["n"] = min((k["seconds"]["n"] for k in per_kind.values() if k["steady"]), default=0)
         link = sum(k["weight"] * k["link_bytes"] for k in per_kind.values())
         meter = sum(k["weight"] * k["meter_bytes_per_rank"] for k in per_kind.values())
     else:
@@ -123,6 +121,11 @@ def summarize(raw: dict, method: str, prefetch: bool | None, rate_bits: float | 
         row.update(nodes=raw["nodes"], nproc_per_node=raw["nproc_per_node"])
         weights = {kind: figures["weight"] for kind, figures in row["per_kind"].items()} if spec.schedule_weighted else None
         row.update(_level_figures(steps, weights, world))
+        for kind, figures in row.get("per_kind", {}).items():  # what each step kind sends between the nodes
+            samples = _kind_samples(steps, kind)
+            figures["inter_node_bytes"] = statistics.median(s["inter_node_bytes"] for s in samples)
+            meter_inter = _meter_level("inter_node")
+            figures["meter_inter_node_bytes_per_rank"] = statistics.median(meter_inter(s) for s in samples)
         shaped = row["inter_node_busiest_direction_bytes_per_step"]
     row.update(
         step_s=time_stats["median"],

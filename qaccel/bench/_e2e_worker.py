@@ -13,7 +13,9 @@ Several nodes (``spec["nodes"]`` > 1, one torchrun per node, ``_e2e_netns.NodeCl
 every node reads its node's counters instead, ``lo``'s ``tx_bytes`` (intra-node) and its veth's ``tx_bytes``
 and ``rx_bytes`` (inter-node), and every rank splits its meter bytes by level: a collective counts as
 ``inter_node`` when its group spans nodes (every collective of a flat method, the replica all-reduce of
-HSDP), ``intra_node`` otherwise; hierarchical QSDP's kinds are classified by ``qaccel.fsdp.bytes_by_level``.
+HSDP), ``intra_node`` otherwise; the kinds of the node-sharded ``hqsdp`` methods (hierarchical QSDP's, and
+those of a 1-bit optimizer on HSDP shards: ``hsdp.*`` across, ``qsdp.*`` inside) are classified by
+``qaccel.fsdp.bytes_by_level``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ._e2e_methods import METHODS, MODELS, Method, steady_kinds
+from ._e2e_methods import METHODS, MODELS, Method, make_schedule, steady_kinds
 
 __all__ = ["main"]
 
@@ -118,7 +120,16 @@ def _ring_meter(meter, levels: dict[str, int] | None = None, nproc_per_node: int
 
 
 # -- method set-up ----------------------------------------------------------------------------------
-def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetch: bool, meter, lr: float, nproc_per_node: int = 0):
+def _setup_fsdp(
+    method: Method,
+    model: torch.nn.Module,
+    world_size: int,
+    prefetch: bool,
+    meter,
+    lr: float,
+    nproc_per_node: int = 0,
+    probe: dict | None = None,
+):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -131,22 +142,33 @@ def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetc
         mesh = init_device_mesh("cpu", (world_size,))
     else:  # replicate across nodes, shard within one: global rank = node * nproc_per_node + local rank
         grid = init_device_mesh("cpu", (world_size // nproc_per_node, nproc_per_node), mesh_dim_names=("replicate", "shard"))
-        # stock HSDP takes the 2-D mesh; hierarchical QSDP shards on the node's mesh and owns the replica all-reduce
+        # stock HSDP takes the 2-D mesh; the hqsdp methods shard on the node's mesh and qaccel owns the replica traffic
         mesh = grid if method.mesh == "hsdp" else grid["shard"]
         if method.mesh == "hqsdp":
             replica_group = grid["replicate"].get_group()
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     info: dict = {"prefetch": prefetch}
+    schedule = None
+    if method.schedule_weighted:
+        # the 1-bit optimizer owns the traffic across nodes: QSDP (if any) stays inside the node
+        optimizer = _onebit_optimizer(method, model, lr, meter, probe)
+        schedule = optimizer.schedule
+        info["probe_schedule"] = probe
+        qsdp_replica_group = None
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        qsdp_replica_group = replica_group
     if method.qsdp is not None:
         weight_bits, grad_bits = method.qsdp
-        if replica_group is None:
+        if qsdp_replica_group is None:
             config = qfsdp.QSDPConfig(weight_bits=weight_bits, grad_bits=grad_bits, prefetch=prefetch)
         else:
             config = qfsdp.QSDPConfig(weight_bits=weight_bits, grad_bits=grad_bits, replica_grad_bits=method.replica_grad_bits, prefetch=prefetch)
-        handle = qfsdp.install_qsdp(model, config, optimizers=[optimizer], meter=meter, replica_group=replica_group)
+        handle = qfsdp.install_qsdp(
+            model, config, optimizers=[optimizer], meter=meter, replica_group=qsdp_replica_group
+        )
         info["units"] = handle.describe()
         if method.reduce_scatter == "alltoall":
             for unit, installed in zip(handle.units, handle.reduce_scatters, strict=True):
@@ -156,7 +178,22 @@ def _setup_fsdp(method: Method, model: torch.nn.Module, world_size: int, prefetc
     elif prefetch:
         # Stock FSDP2 gets the same prefetch setting as QSDP, so the comparison is like for like.
         info["prefetch_links"] = qfsdp.apply_prefetch(model)
-    return model, optimizer, None, info
+    if method.schedule_weighted:
+        from ..optim import register_hsdp_comm_hook
+
+        hook = register_hsdp_comm_hook(model, optimizer, replica_group=replica_group, wire_meter=meter)
+        info["replica_hook"] = repr(hook)
+    return model, optimizer, schedule, info
+
+
+def _onebit_optimizer(method: Method, model: torch.nn.Module, lr: float, meter, probe: dict | None):
+    """``method``'s 1-bit optimizer (0/1 Adam or 1-bit Adam) on ``model``'s parameters, on the probe schedule."""
+    from ..optim import OneBitAdam, ZeroOneAdam
+
+    if probe is None:
+        raise ValueError(f"{method.name}: a 1-bit optimizer needs the probe schedule (spec['probe']), got none")
+    cls = ZeroOneAdam if method.optimizer == "zero_one" else OneBitAdam
+    return cls(model.parameters(), lr=lr, wire_meter=meter, **probe)
 
 
 _KIND_A2A_RS = "bench.alltoall_reduce_scatter"
@@ -226,10 +263,9 @@ def _setup_ddp(method: Method, model: torch.nn.Module, meter, lr: float, probe: 
                 ddp.register_comm_hook(None, _bf16_hook_without_cuda())
                 info["bf16_hook"] = "torch's bf16_compress_hook, registered under another name (gloo)"
     else:
-        from ..optim import OneBitAdam, ZeroOneAdam, register_ddp_comm_hook
+        from ..optim import register_ddp_comm_hook
 
-        cls = ZeroOneAdam if method.ddp == "zero_one" else OneBitAdam
-        optimizer = cls(model.parameters(), lr=lr, wire_meter=meter, **probe)
+        optimizer = _onebit_optimizer(method, model, lr, meter, probe)
         register_ddp_comm_hook(ddp, optimizer)
         schedule = optimizer.schedule
         info["probe_schedule"] = probe
@@ -276,7 +312,9 @@ def run_distributed(spec: dict) -> None:
     num_params = sum(p.numel() for p in model.parameters())
     if method.parallel == "fsdp":
         nproc = nodes.nproc_per_node if nodes else 0
-        model, optimizer, schedule, info = _setup_fsdp(method, model, world_size, bool(spec["prefetch"]), meter, spec["lr"], nproc)
+        model, optimizer, schedule, info = _setup_fsdp(
+            method, model, world_size, bool(spec["prefetch"]), meter, spec["lr"], nproc, spec.get("probe")
+        )
     else:
         model, optimizer, schedule, info = _setup_ddp(method, model, meter, spec["lr"], spec.get("probe"))
     steps = spec["total_steps"]
@@ -325,9 +363,7 @@ def run_distributed(spec: dict) -> None:
         for i, record in enumerate(records):
             record["meter_sent_bytes_per_rank"] = [ranks[i] for ranks in per_rank_meter]
         if schedule is not None:
-            from ..optim import OneBitAdamSchedule, ZeroOneAdamSchedule
-
-            fresh = (ZeroOneAdamSchedule if method.ddp == "zero_one" else OneBitAdamSchedule)(**spec["probe"])
+            fresh = make_schedule(method.optimizer, spec["probe"])
             for record, (_, steady) in zip(records, steady_kinds(fresh, steps), strict=True):
                 record["steady"] = steady
         else:

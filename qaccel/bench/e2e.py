@@ -11,7 +11,9 @@ issue's goals. Details and the reading of the results: ``BENCHMARKS.md``.
 loopback, the nodes joined by shaped veth links (``_e2e_netns.NodeCluster``), and per configuration one
 ``torchrun`` per node (static rendezvous on node 0's veth address, gloo bound to the node's veth). The rows
 then also carry the bytes per level, from the interface counters and from the meter; the goals and the
-Markdown section are the several-node ones (``_e2e_cluster_report``).
+Markdown section are the several-node ones (``_e2e_cluster_report``). The 1-bit optimizers on HSDP shards
+(``NODES_ONEBIT_METHODS``: 0/1 Adam and 1-bit Adam across nodes, exact or QSDP inside one) are weighted by
+the paper's schedule like the DDP 1-bit rows, and are run with ``--methods``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ._e2e_methods import (
     METHODS,
     MODELS,
     NODES_DEFAULT_METHODS,
+    NODES_ONEBIT_METHODS,
     PREFETCH_DEFAULT,
     check_methods_for_nodes,
     config_label,
@@ -98,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 300mbit)")  # fmt: skip
     parser.add_argument("--methods", type=_methods_arg, default=None,
                         help=f"comma-separated methods, or all (default: all on one node; with --nodes > 1 "
-                             f"{','.join(NODES_DEFAULT_METHODS)}): {', '.join(METHODS)}")  # fmt: skip
+                             f"{','.join(NODES_DEFAULT_METHODS)}; the 1-bit optimizers on HSDP shards: "
+                             f"{','.join(NODES_ONEBIT_METHODS)}): {', '.join(METHODS)}")  # fmt: skip
     parser.add_argument("--prefetch", choices=("default", "on", "off", "both"), default="default",
                         help="FSDP2 forward/backward prefetch between units for the FSDP methods: on, off, both; default: "
                              "both for fsdp2-fp32 and qsdp-w8g8, off for the others (with --nodes > 1: on for all)")  # fmt: skip

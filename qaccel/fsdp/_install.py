@@ -232,8 +232,8 @@ def _check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup
             else "Remove it"
         )
         raise ValueError(
-            f"QSDP: FSDP unit {name} already has an all-reduce hook ({hook}, set_all_reduce_hook); hierarchical QSDP "
-            f"cannot combine it with its own. {advice}"
+            f"install_qsdp(replica_group=...): FSDP unit {name} already has an all-reduce hook ({hook}, "
+            f"set_all_reduce_hook); hierarchical QSDP cannot combine it with its own. {advice}"
         )
     return check_replica_group(units, replica_group, "install_qsdp")
 

@@ -11,8 +11,10 @@ local steps). This is the DDP hook's job (:mod:`qaccel.optim._ddp_hook`) one lev
 (``docs/zero_one_adam.md``, "Sharded parameters (HSDP)").
 
 Averaging order: the hook divides the shard by R and sums over the replicas (DDP's order,
-``allreduce_hook``), then FSDP2 divides by S. With S = 1 this is DDP's computation, so the trajectory
-equals DDP 0/1 Adam's bit for bit.
+``allreduce_hook``), then FSDP2 divides by S. With S = 1 this is DDP's computation: the trajectory
+equals DDP 0/1 Adam's bit for bit with two replicas, and with more up to the order in which the
+all-reduce sums an element (gloo's ring order depends on the element's position in the buffer, and
+DDP's buckets are laid out unlike FSDP2's units).
 """
 
 from __future__ import annotations

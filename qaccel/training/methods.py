@@ -60,17 +60,19 @@ class MethodPlan:
 
 
 def _launch_parallelism() -> str | None:
-    """The parallelism an ``accelerate launch`` config asked for, if any (FSDP is exported as env)."""
+    """The parallelism an ``accelerate launch`` config asked for, if any (FSDP and its mesh are exported as env)."""
     if env_flag("ACCELERATE_USE_FSDP"):
-        return "fsdp2"
+        replicas = int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1") or 1)
+        return "hsdp" if replicas > 1 else "fsdp2"
     if env_flag("ACCELERATE_USE_DEEPSPEED"):
         return "deepspeed"
     return None
 
 
 def launch_config_parallelism(config_file: str | os.PathLike) -> str | None:
-    """The parallelism an Accelerate config file asks for (``fsdp2``, ``deepspeed`` or None), read
-    with Accelerate's own loader, as ``accelerate launch`` will read it.
+    """The parallelism an Accelerate config file asks for (``fsdp2``, ``hsdp``: FSDP with
+    ``parallelism_config_dp_replicate_size`` >= 2, ``deepspeed`` or None), read with Accelerate's own
+    loader, as ``accelerate launch`` will read it.
 
     Raises:
         ValueError: the file does not exist or Accelerate cannot read it.
@@ -84,6 +86,9 @@ def launch_config_parallelism(config_file: str | os.PathLike) -> str | None:
     except Exception as err:  # noqa: BLE001 - yaml, key and value errors of Accelerate's loader alike
         raise ValueError(f"launch config {str(config_file)!r}: Accelerate cannot read it: {err}") from None
     kind = str(config.distributed_type).rsplit(".", 1)[-1]  # DistributedType.FSDP -> FSDP
+    replicas = int((config.parallelism_config or {}).get("parallelism_config_dp_replicate_size", 1) or 1)
+    if kind == "FSDP" and replicas > 1:
+        return "hsdp"
     return {"FSDP": "fsdp2", "DEEPSPEED": "deepspeed"}.get(kind)
 
 
@@ -108,7 +113,7 @@ def plan_method(
         recipe_onebit, flag_onebit: ``ZeroOneAdamConfig`` / ``OneBitAdamConfig`` fields from the
             recipe and from ``--zoadam_*`` flags; ``lr`` and ``weight_decay`` default to the
             training settings.
-        launch_parallelism: what the launch asks for (``fsdp2``, ``deepspeed`` or None); default:
+        launch_parallelism: what the launch asks for (``fsdp2``, ``hsdp``, ``deepspeed`` or None); default:
             read from the variables ``accelerate launch`` exports (a check before launching passes
             :func:`launch_config_parallelism` of the config file instead).
 
@@ -129,17 +134,17 @@ def plan_method(
             "the launch config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true); qaccel methods run on "
             "FSDP2 (qsdp) or DDP (zero_one_adam, onebit_adam): use launch_configs/cpu_2proc_qsdp.yaml or cpu_2proc_ddp.yaml"
         )
-    if method == "qsdp" or (method == "none" and (recipe_method == "qsdp" or launch == "fsdp2")):
+    fsdp_launch = launch in ("fsdp2", "hsdp")
+    if method == "qsdp" or (method == "none" and (recipe_method == "qsdp" or fsdp_launch)):
         parallelism = "fsdp2"
-    elif method in _ONEBIT_CONFIGS and launch == "fsdp2":
-        parallelism = "fsdp2"  # on HSDP shards
-        replicas = os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1") if launch_parallelism == LAUNCH_FROM_ENV else None
-        if replicas is not None and int(replicas or 1) < 2:
+    elif method in _ONEBIT_CONFIGS and fsdp_launch:
+        if launch != "hsdp":
             raise ValueError(
                 f"--method {method} with an FSDP launch config: runs on HSDP shards and needs parallelism_config "
-                f"parallelism_config_dp_replicate_size >= 2 (got {replicas}); use launch_configs/cpu_2x2_hqsdp.yaml, "
+                "parallelism_config_dp_replicate_size >= 2 (got 1); use launch_configs/cpu_2x2_hqsdp.yaml, "
                 "or a DDP launch (launch_configs/cpu_2proc_ddp.yaml, plain torchrun)"
             )
+        parallelism = "fsdp2"  # on HSDP shards: sharded within a node, the optimizer across replicas
     else:
         parallelism = "ddp"
     qsdp = onebit = None

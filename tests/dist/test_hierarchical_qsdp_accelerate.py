@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests.dist.test_qsdp_accelerate import TINY, _differing, _full_params, _launch_env, _step
+from tests.dist.test_qsdp_accelerate import TINY, _differing, _full_params, _launch_env, _step, _train_on
 
 SAVE_AFTER, END = 2, 4
 
@@ -81,10 +81,7 @@ def _resume_worker(rank, world_size, replicas, ckpt_dir):
     model, optimizer = accelerator.prepare(*_model_and_optimizer())
     accelerator.load_state(ckpt_dir)
     out = {"step_after_load": accelerator.qsdp.seeds.step, "replicas": accelerator.qsdp.replicas}
-    out["losses"] = [_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
-    out["params_at_end"] = _full_params(model)
-    accelerator.end_training()
-    return out
+    return _train_on(accelerator, model, optimizer, rank, range(SAVE_AFTER, END), out)
 
 
 @pytest.fixture(scope="module")

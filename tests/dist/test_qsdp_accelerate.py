@@ -67,6 +67,14 @@ def _step(accelerator, model, optimizer, rank, step):
     return loss.item()
 
 
+def _train_on(accelerator, model, optimizer, rank, steps, out):
+    """Run ``steps`` (a range of step numbers), then end training; ``out`` gains the losses and final parameters."""
+    out["losses"] = [_step(accelerator, model, optimizer, rank, step) for step in steps]
+    out["params_at_end"] = _full_params(model)
+    accelerator.end_training()
+    return out
+
+
 def _full_params(model):
     """Full parameters as raw bytes: exact, and picklable back to the test process without shared memory."""
     return {name: param.full_tensor().detach().contiguous().numpy().tobytes() for name, param in model.named_parameters()}

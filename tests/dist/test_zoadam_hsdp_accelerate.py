@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests.dist.test_qsdp_accelerate import TINY, _differing, _full_params, _launch_env, _step
+from tests.dist.test_qsdp_accelerate import TINY, _differing, _full_params, _launch_env, _step, _train_on
 
 SAVE_AFTER, END = 5, 9
 HYPER = dict(lr=1e-3, var_freeze_step=2, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2, gradient_clipping=1.0)
@@ -78,10 +78,7 @@ def _resume_worker(rank, world_size, ckpt_without_rank3, ckpt_dir):
     except FileNotFoundError as exc:
         out["error"] = str(exc)
     accelerator.load_state(ckpt_dir)
-    out["losses"] = [_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
-    out["params_at_end"] = _full_params(model)
-    accelerator.end_training()
-    return out
+    return _train_on(accelerator, model, optimizer, rank, range(SAVE_AFTER, END), out)
 
 
 @pytest.fixture(scope="module")

@@ -173,11 +173,12 @@ def test_qaccel_debug_keeps_the_traceback_for_bad_input(tmp_path):
 
 
 def test_qaccel_train_checks_before_it_launches_anything(tmp_path):
-    # a DDP-only method with the recipe's FSDP launch config: refused in the CLI process, exit 2, one line
+    # a 1-bit optimizer with the recipe's 1-D FSDP launch config: refused in the CLI process, exit 2, one line
     cmd = [sys.executable, "-m", "qaccel.cli", "train", "--recipe", "gpt2-tiny", "--method", "zero_one_adam", "--output_dir", str(tmp_path / "out")]
     proc = _launch(cmd, tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("qaccel train: --method zero_one_adam: runs on DDP"), proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("qaccel train: --method zero_one_adam with an FSDP launch config: runs on HSDP shards"), proc.stderr
     assert not (tmp_path / "out").exists()
 
 

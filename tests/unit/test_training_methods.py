@@ -90,7 +90,7 @@ def test_one_bit_settings_precedence_and_training_defaults(monkeypatch):
     assert plan.config_dict()["var_freeze_step"] == 90
 
 
-@pytest.mark.parametrize("name, expected", [("cpu_2proc_qsdp", "fsdp2"), ("gpu_2node_8_qsdp", "fsdp2"), ("cpu_2x2_hqsdp", "fsdp2"), ("gpu_2node_8_hqsdp", "fsdp2"), ("cpu_2proc_ddp", None), ("gpu_1node_8_ddp", None)])
+@pytest.mark.parametrize("name, expected", [("cpu_2proc_qsdp", "fsdp2"), ("gpu_2node_8_qsdp", "fsdp2"), ("cpu_2x2_hqsdp", "hsdp"), ("gpu_2node_8_hqsdp", "hsdp"), ("cpu_2proc_ddp", None), ("gpu_1node_8_ddp", None)])
 def test_a_launch_config_file_tells_its_parallelism_as_accelerate_launch_exports_it(name, expected):
     import yaml
 
@@ -100,7 +100,9 @@ def test_a_launch_config_file_tells_its_parallelism_as_accelerate_launch_exports
     path = launch_config_path(name)
     assert launch_config_parallelism(path) == expected
     # the independent reading: the file's own distributed_type
-    assert (yaml.safe_load(path.read_text())["distributed_type"] == "FSDP") == (expected == "fsdp2")
+    raw = yaml.safe_load(path.read_text())
+    assert (raw["distributed_type"] == "FSDP") == (expected in ("fsdp2", "hsdp"))
+    assert (raw.get("parallelism_config", {}).get("parallelism_config_dp_replicate_size", 1) > 1) == (expected == "hsdp")
 
 
 def test_an_explicit_launch_parallelism_wins_over_the_environment(monkeypatch):

@@ -54,7 +54,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q --timeout=900 -m "not slow"
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q --timeout=900
+	$(PY) -m pytest -q --timeout=900 --durations=30
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check qaccel tests scripts

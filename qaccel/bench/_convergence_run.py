@@ -10,7 +10,8 @@ re-implements them, so the study's numbers are the ones a user's run of the same
 A hierarchical run (``replicas`` > 1) gets its mesh the way ``accelerate launch`` hands it to a
 script: through Accelerate's ``ACCELERATE_USE_PARALLELISM_CONFIG`` / ``PARALLELISM_CONFIG_*``
 variables (what a launch config's ``parallelism_config`` section becomes), which the loop's
-Accelerator reads as ``ParallelismConfig(dp_replicate_size=R, dp_shard_size=world_size / R)``.
+Accelerator reads as ``ParallelismConfig(dp_replicate_size=R, dp_shard_size=world_size / R)``, and
+the FSDP launch variables (``ACCELERATE_USE_FSDP``, ``FSDP_VERSION``) of an FSDP2 launch config.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from pathlib import Path
 
 from ._convergence_tasks import Method, Task
 
-__all__ = ["loop_flags", "seed_flags", "mesh_env", "train_command", "train_run", "read_run"]
+__all__ = [
+    "loop_flags",
+    "seed_flags",
+    "mesh_env",
+    "hierarchical_env",
+    "FSDP_LAUNCH_ENV",
+    "train_command",
+    "train_run",
+    "read_run",
+]
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the launched ranks import this qaccel, installed or not
 LAUNCH_LOG = "launch.log"  # the job's stdout and stderr, in its output folder
@@ -51,6 +61,8 @@ def loop_flags(task: Task, method: Method, *, steps: int, eval_every: int) -> li
     ]  # fmt: skip
     for name, value in method.qsdp.items():
         flags += [f"--qsdp_{name}", "none" if value is None else str(value)]
+    for name, value in method.zoadam.items():  # a pair such as betas is one comma-separated value
+        flags += [f"--zoadam_{name}", ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
     return flags
 
 
@@ -64,6 +76,13 @@ def seed_flags(method: Method, seed: int | str) -> list[str]:
     if method.train_method == "qsdp":
         flags += ["--qsdp_seed", str(seed)]
     return flags
+
+
+# What ``accelerate launch`` exports for an FSDP2 config (``distributed_type: FSDP``, ``fsdp_version: 2``, as in
+# launch_configs/cpu_2x2_hqsdp.yaml) that decides the parallelism: the loop runs --method none and the
+# 1-bit optimizers on FSDP2 (HSDP shards) only under such a launch, not from the recipe alone.
+# The loop sets the plugin's other settings (wrap policy, state-dict type) itself.
+FSDP_LAUNCH_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
 
 
 def mesh_env(replicas: int, world_size: int) -> dict[str, str]:
@@ -83,6 +102,13 @@ def mesh_env(replicas: int, world_size: int) -> dict[str, str]:
         "PARALLELISM_CONFIG_SP_SIZE": "1",
         "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed",
     }
+
+
+def hierarchical_env(replicas: int, world_size: int) -> dict[str, str]:
+    """The variables of a run on ``replicas`` replicas: :func:`mesh_env` and, for a hierarchical mesh,
+    :data:`FSDP_LAUNCH_ENV` (an HSDP launch is an FSDP launch); empty for a 1-D run."""
+    mesh = mesh_env(replicas, world_size)
+    return {**mesh, **FSDP_LAUNCH_ENV} if mesh else {}
 
 
 def train_command(flags: list[str], *, world_size: int, output_dir: str | os.PathLike) -> list[str]:
@@ -114,7 +140,7 @@ def train_run(method: Method, seed: int, flags: list[str], *, world_size: int, o
     started = time.perf_counter()
     with open(log, "w") as out:
         # Its own session: on a timeout or Ctrl-C the launcher and its ranks go down together.
-        env = _launch_env(mesh_env(replicas, world_size))
+        env = _launch_env(hierarchical_env(replicas, world_size))
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout_s)

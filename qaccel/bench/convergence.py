@@ -10,11 +10,12 @@ noise. Reported per method: final eval loss mean ± std over seeds, its differen
 goals (W8G8 +1%, W4G4 +2%, 0/1 Adam +2% of the baseline, and within its seed spread). An optional long
 single-seed run of the tiny GPT (``--long_steps``) shows whether gaps close or grow.
 
-``--replicas R`` (R > 1) runs the FSDP2 tasks on a hierarchical mesh instead: R replicas of
-``--world_size / R`` ranks each, handed to every run through Accelerate's ``PARALLELISM_CONFIG_*``
-variables as ``accelerate launch`` hands a launch config's ``parallelism_config`` to a script. The
-methods are then stock HSDP (the baseline, ``--method none``) and hierarchical QSDP variants (goal
-+1% each); DDP tasks have no hierarchical variant and are refused.
+``--replicas R`` (R > 1) runs the tasks on a hierarchical mesh instead: R replicas of
+``--world_size / R`` ranks each, handed to every run as ``accelerate launch`` hands an FSDP2 launch
+config with a ``parallelism_config`` to a script (``ACCELERATE_USE_FSDP``, ``PARALLELISM_CONFIG_*``).
+The methods are then stock HSDP + AdamW (the baseline, ``--method none``), hierarchical QSDP
+variants (gpt2-tiny; goal +1% each) and 0/1 Adam (goal +2%) and 1-bit Adam on HSDP shards; tasks
+without hierarchical methods (minilm-finetune) are refused.
 
 Run folders go to ``--runs_dir`` (kept: ``metrics.jsonl``, the final checkpoint, ``launch.log``) or
 to a temporary folder that is removed run by run.
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from . import _convergence_report, _convergence_stats
-from ._convergence_run import loop_flags, mesh_env, seed_flags, train_command, train_run
+from ._convergence_run import hierarchical_env, loop_flags, seed_flags, train_command, train_run
 from ._convergence_tasks import TASKS, Method, Task, hierarchical_tasks, select_methods, task_by_name, task_methods
 
 __all__ = ["add_arguments", "run", "LONG_METHODS", "ConvergenceInputError"]
@@ -65,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replicas", type=int, default=1,
         help="hierarchical mesh: this many replicas of world_size/replicas sharded ranks (Accelerate's dp_replicate_size); "
-        "runs stock HSDP vs hierarchical QSDP on the FSDP2 tasks (default 1: every rank in one shard group)",
+        "runs stock HSDP + AdamW vs hierarchical QSDP and the 1-bit optimizers on HSDP shards "
+        "(default 1: every rank in one shard group)",
     )  # fmt: skip
     parser.add_argument("--runs_dir", default=None, help="keep each run's folder here: TASK/METHOD/seed-N (default: a temporary folder, removed)")
     parser.add_argument("--plot", default=None, help="write the PNG here (default: next to --json)")
@@ -273,7 +275,7 @@ def _train_seeds(
     # The loop's command line for this method, as a user would type it (torchrun is the launcher the study ran;
     # a hierarchical mesh travels in the environment, as accelerate launch passes it).
     launched = train_command([*flags, *seed_flags(method, "SEED")], world_size=world_size, output_dir="RUN_DIR")
-    mesh = [f"{name}={value}" for name, value in mesh_env(replicas, world_size).items()]
+    mesh = [f"{name}={value}" for name, value in hierarchical_env(replicas, world_size).items()]
     command = shlex.join([*mesh, "torchrun", *launched[3:]])  # launched[:3]: this interpreter's `-m torch.distributed.run`
     return {"task": task.name, "method": method.key, "runs": runs, "train_command": command}
 
@@ -292,6 +294,8 @@ def _methods(methods: tuple[Method, ...], results: list[dict]) -> dict:
             "is_baseline": method.baseline,
             "train_method": method.train_method,
             "qsdp": method.qsdp,
+            # --zoadam_* flags; rows without them keep their keys
+            **({"zoadam": method.zoadam} if method.zoadam else {}),
             "config": runs[0]["config"],
             "train_command": by_key[method.key]["train_command"],
             "runs": [{k: v for k, v in run.items() if k != "config"} for run in runs],

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from qaccel.bench._convergence_run import loop_flags, mesh_env, seed_flags
+from qaccel.bench._convergence_run import hierarchical_env, loop_flags, mesh_env, seed_flags
 from qaccel.bench._convergence_tasks import TASKS
 from qaccel.cli import main
 
@@ -222,13 +222,18 @@ def test_hierarchical_mesh_is_what_accelerate_launch_exports():
     (Accelerate's own launcher code computes the reference), and Accelerate reads them as a 2 x 2 HSDP mesh."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils.launch import prepare_extend_env_parallelism_config
+    from accelerate.utils.launch import prepare_extend_env_parallelism_config, prepare_multi_gpu_env
 
 
     launch_args = launch_command_parser().parse_args(["--config_file", str(REPO / "launch_configs" / "cpu_2x2_hqsdp.yaml"), "train.py"])
     launch_args, _, _ = _validate_launch_command(launch_args)
     assert mesh_env(2, 4) == prepare_extend_env_parallelism_config(launch_args, {})
     assert mesh_env(1, 4) == {}  # the 1-D study's runs get no mesh variables: unchanged
+    # Every variable a hierarchical run gets is one accelerate launch exports for that FSDP2 config, with its value
+    # (the FSDP ones decide that --method none and the 1-bit optimizers run on FSDP2 / HSDP shards).
+    exported = prepare_multi_gpu_env(launch_args)
+    assert hierarchical_env(2, 4).items() <= exported.items()
+    assert {"ACCELERATE_USE_FSDP", "FSDP_VERSION"} <= set(hierarchical_env(2, 4)) and hierarchical_env(1, 4) == {}
     with pytest.MonkeyPatch.context() as mp:
         for name, value in mesh_env(2, 4).items():
             mp.setenv(name, value)
@@ -242,23 +247,86 @@ def test_hierarchical_methods_resolve_in_the_training_loop_as_meant(tmp_path, mo
     from qaccel.bench._convergence_tasks import select_methods
     from qaccel.train import check_inputs, parse_args
 
-    for name, value in mesh_env(2, 4).items():
+    for name, value in hierarchical_env(2, 4).items():
         monkeypatch.setenv(name, value)
     spec = TASKS["gpt2-tiny"]
     methods = select_methods(spec, None, replicas=2)
-    assert [m.key for m in methods] == ["hsdp", "hqsdp-w8g8-r4", "hqsdp-w8g8-r8", "hqsdp-off-r4"]
-    expected = {  # (weight_bits, grad_bits, replica_grad_bits), as the issue names the methods
-        "hsdp": (None, None, None),
-        "hqsdp-w8g8-r4": (8, 8, 4),
-        "hqsdp-w8g8-r8": (8, 8, 8),
-        "hqsdp-off-r4": (None, None, 4),
+    assert [m.key for m in methods] == ["hsdp", "hqsdp-w8g8-r4", "hqsdp-w8g8-r8", "hqsdp-off-r4", "hsdp-zero_one_adam", "hsdp-onebit_adam"]
+    expected = {  # (train method, weight_bits, grad_bits, replica_grad_bits, goal), as the issue names the methods
+        "hsdp": ("none", None, None, None, None),
+        "hqsdp-w8g8-r4": ("qsdp", 8, 8, 4, 1.0),
+        "hqsdp-w8g8-r8": ("qsdp", 8, 8, 8, 1.0),
+        "hqsdp-off-r4": ("qsdp", None, None, 4, 1.0),
+        # the 1-bit optimizers compress across replicas themselves; inside a node stock FSDP2
+        "hsdp-zero_one_adam": ("zero_one_adam", None, None, None, 2.0),
+        "hsdp-onebit_adam": ("onebit_adam", None, None, None, None),
     }
     for method in methods:
         args = parse_args([*loop_flags(spec, method, steps=spec.steps, eval_every=spec.eval_every), *seed_flags(method, 3), "--output_dir", str(tmp_path)])
         plan = check_inputs(args, world_size=4).plan
-        assert (plan.method, plan.parallelism) == (("none" if method.key == "hsdp" else "qsdp"), "fsdp2"), method.key
-        assert (plan.qsdp.weight_bits, plan.qsdp.grad_bits, plan.qsdp.replica_grad_bits) == expected[method.key], method.key
-        assert method.baseline == (method.key == "hsdp") and method.goal_pct == (None if method.baseline else 1.0)
+        assert (plan.method, plan.parallelism) == (expected[method.key][0], "fsdp2"), method.key
+        bits = (plan.qsdp.weight_bits, plan.qsdp.grad_bits, plan.qsdp.replica_grad_bits)
+        assert (plan.method, *bits, method.goal_pct) == expected[method.key], method.key
+        assert method.baseline == (method.key == "hsdp")
+
+
+# The 0/1 Adam settings each task's HSDP row runs with (recipe values under the flags), and the step kinds its
+# schedule then takes in the study's run, counted by hand from DeepSpeed's rules (steps 2..F+1 are phase 1; a
+# variance step when t is a multiple of an interval that doubles after 8 updates; in phase 2 a sync when t is a
+# multiple of an interval that doubles every alpha steps up to H):
+#   gpt2-tiny, 50 steps, F 25: variance at t = 2..9 and 10, 12, .., 24 (16), the other 9 of t = 2..26 1-bit;
+#     t = 27..31 sync (5); 32..36 every 2nd (3 syncs, 2 local); 37..41 every 4th (1, 4); 42..50 every 8th (1, 8).
+_ZOADAM_HSDP = {
+    "gpt2-tiny": (
+        {"var_freeze_step": 25, "var_update_scaler": 8, "local_step_scaler": 5, "local_step_clipper": 8, "betas": (0.9, 0.95), "gradient_clipping": 0.0},
+        {"init": 1, "full": 16, "onebit_gradient": 9, "local": 14, "sync": 10},
+    ),
+}
+
+
+@pytest.mark.parametrize("task", ["gpt2-tiny"])
+def test_zero_one_adam_on_hsdp_shards_reaches_local_steps_within_the_run(task, tmp_path, monkeypatch):
+    """No launch: the 0/1 Adam row's flags reach the loop's ZeroOneAdamConfig, and with them the run's steps
+    include local steps (phase 2, nothing sent) — the part of 0/1 Adam the +2% goal is about."""
+    from qaccel.bench._convergence_tasks import select_methods
+    from qaccel.optim._schedule import ZeroOneAdamSchedule, count_step_kinds
+    from qaccel.train import check_inputs, parse_args
+
+    for name, value in hierarchical_env(2, 4).items():
+        monkeypatch.setenv(name, value)
+    spec = TASKS[task]
+    baseline, method = select_methods(spec, ["hsdp-zero_one_adam"], replicas=2)
+    assert (baseline.key, baseline.train_method, baseline.baseline) == ("hsdp", "none", True)
+    assert (method.key, method.train_method, method.goal_pct) == ("hsdp-zero_one_adam", "zero_one_adam", 2.0)
+    args = parse_args([*loop_flags(spec, method, steps=spec.steps, eval_every=spec.eval_every), *seed_flags(method, 3), "--output_dir", str(tmp_path)])
+    inputs = check_inputs(args, world_size=4)
+    plan, config = inputs.plan, inputs.plan.onebit
+    assert (plan.parallelism, plan.qsdp.replica_grad_bits, inputs.cfg["seed"]) == ("fsdp2", None, 3)
+    settings, kinds = _ZOADAM_HSDP[task]
+    assert {name: getattr(config, name) for name in settings} == settings
+    assert config.lr == inputs.cfg["learning_rate"] == 1e-3  # the recipe's training settings, as for the baseline
+    schedule = lambda: ZeroOneAdamSchedule(config.var_freeze_step, config.var_update_scaler, config.local_step_scaler, config.local_step_clipper)  # noqa: E731
+    counts = {kind.value: n for kind, n in count_step_kinds(schedule, spec.steps).items() if n}
+    assert counts == kinds
+
+
+def test_hierarchical_method_selection_keeps_the_baseline_and_the_json_keys_of_every_task():
+    """``--methods`` picks rows of each task's hierarchical list (the baseline always runs); tasks without one are named."""
+    from qaccel.bench._convergence_tasks import hierarchical_tasks, select_methods
+
+    assert hierarchical_tasks() == ["gpt2-tiny"]  # bert-tiny's masked-LM head cannot be sharded by Accelerate's FSDP2 yet
+    picks = ["hsdp-zero_one_adam", "hsdp-onebit_adam"]
+    assert [m.key for m in select_methods(TASKS["gpt2-tiny"], picks, replicas=2)] == ["hsdp", "hsdp-zero_one_adam", "hsdp-onebit_adam"]
+    # the 1-D rows are untouched (their keys name the published JSON's methods)
+    assert [m.key for m in select_methods(TASKS["bert-tiny"], None)] == ["adamw", "zero_one_adam", "onebit_adam"]
+    assert [m.key for m in select_methods(TASKS["gpt2-tiny"], None)] == ["fsdp2", "w8g8", "w8g8-b128-bf16", "w4g4", "w4g4-b1024-fp32", "w4g4-b64-bf16"]
+    # the flags a row adds, in the loop's syntax (a pair is one comma-separated value)
+    gpt2_zoadam = select_methods(TASKS["gpt2-tiny"], ["hsdp-zero_one_adam"], replicas=2)[1]
+    assert loop_flags(TASKS["gpt2-tiny"], gpt2_zoadam, steps=50, eval_every=10)[-10:] == [
+        "--zoadam_var_freeze_step", "25", "--zoadam_var_update_scaler", "8", "--zoadam_local_step_scaler", "5",
+        "--zoadam_local_step_clipper", "8", "--zoadam_betas", "0.9,0.95",
+    ]  # fmt: skip
+    assert not any(flag.startswith("--zoadam_") for flag in loop_flags(TASKS["bert-tiny"], TASKS["bert-tiny"].methods[1], steps=120, eval_every=30))
 
 
 @pytest.mark.parametrize(
@@ -267,9 +335,11 @@ def test_hierarchical_methods_resolve_in_the_training_loop_as_meant(tmp_path, mo
         (["--replicas", "0"], "--replicas=0: must be >= 1"),
         (["--replicas", "3", "--world_size", "4"], "--replicas 3: --world_size 4 is not divisible by it"),
         (["--replicas", "2"], "--replicas 2: --world_size 2 leaves 1 rank per replica"),
-        (["--replicas", "2", "--world_size", "4", "--tasks", "bert-tiny"], "--replicas 2: task bert-tiny runs on DDP .*no hierarchical variant"),
+        (["--replicas", "2", "--world_size", "4", "--tasks", "minilm-finetune"], "--replicas 2: task minilm-finetune runs on DDP .*no hierarchical variant"),
         (["--replicas", "2", "--world_size", "4", "--methods", "w8g8"], "--methods w8g8: run.* on a 1-D mesh"),
+        (["--replicas", "2", "--world_size", "4", "--tasks", "gpt2-tiny", "--methods", "zero_one_adam"], "--methods zero_one_adam: run.* on a 1-D mesh.* hsdp-zero_one_adam"),
         (["--methods", "hqsdp-w8g8-r4"], r"--methods hqsdp-w8g8-r4: run.* on a hierarchical mesh \(--replicas R > 1\)"),
+        (["--tasks", "bert-tiny", "--methods", "hsdp-zero_one_adam"], r"--methods hsdp-zero_one_adam: run.* on a hierarchical mesh"),
         (["--replicas", "2", "--world_size", "4", "--long_steps", "10"], "--long_steps 10: the long run is 1-D"),
     ],
 )
@@ -287,7 +357,8 @@ def test_quick_hierarchical_study_runs_on_two_replicas_against_stock_hsdp(tmp_pa
     What the loop itself wrote says the runs were hierarchical (its start line), that the baseline is stock HSDP
     (``--method none``, every codec off) and that the 4-bit replica all-reduce moved fewer bytes across replicas."""
     runs = tmp_path / "runs"
-    argv = ["bench", "convergence", "--quick", "--replicas", "2", "--world_size", "4", "--methods", "hqsdp-w8g8-r4", "--seeds", "1", "--steps", "2", "--eval_every", "2"]
+    argv = ["bench", "convergence", "--quick", "--replicas", "2", "--world_size", "4", "--tasks", "gpt2-tiny", "--methods", "hqsdp-w8g8-r4"]
+    argv += ["--seeds", "1", "--steps", "2", "--eval_every", "2"]
     assert main([*argv, "--runs_dir", str(runs), "--json", str(tmp_path / "h.json"), "--markdown", str(tmp_path / "h.md")]) == 0
     report = json.loads((tmp_path / "h.json").read_text())
     task = report["tasks"]["gpt2-tiny"]
@@ -309,7 +380,7 @@ def test_quick_hierarchical_study_runs_on_two_replicas_against_stock_hsdp(tmp_pa
         assert method["runs"][0]["sent_bytes_inter_node"] == sum(r["wire_bytes_inter_node"] for r in rows) > 0
         inter[key] = method["summary"]["wire_bytes_inter_node_per_step_per_rank"]
         words = shlex.split(method["train_command"])
-        mesh = [f"{k}={v}" for k, v in mesh_env(2, 4).items()]  # the hierarchical mesh, as accelerate launch exports it
+        mesh = [f"{k}={v}" for k, v in hierarchical_env(2, 4).items()]  # the hierarchical mesh, as accelerate launch exports it
         assert words[: len(mesh)] == mesh and words[len(mesh) : len(mesh) + 2] == ["torchrun", "--standalone"]
     # Stock HSDP sends an exact fp32 all-reduce of each rank's gradient shard across the 2 replicas: a ring all-reduce
     # sends 2 (R - 1) / R = 1 shard per rank per step. The shard, from the recipe's model (FSDP2 pads dim 0 to 2 rows).

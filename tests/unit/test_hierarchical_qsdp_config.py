@@ -115,7 +115,7 @@ def test_accelerates_parallelism_check_is_held_back_then_run_on_the_callers_copy
     [
         (["--replicas", "3", "--world_size", "4"], "--replicas 3: --world_size 4 is not divisible by it"),
         (["--tasks", "nope"], "--tasks: unknown task 'nope'"),
-        (["--replicas", "2", "--world_size", "4", "--tasks", "bert-tiny"], "bert-tiny"),
+        (["--replicas", "2", "--world_size", "4", "--tasks", "minilm-finetune"], "minilm-finetune"),
     ],
 )
 def test_bad_convergence_flags_are_one_line_and_exit_2_before_any_run(argv, named, capsys):

@@ -124,40 +124,6 @@ _GPT2_HSDP_ONEBIT_METHODS = (
     ),
 )
 _ONEBIT_METHODS = (
-    Method(
-        "hsdp-zero_one_adam",
-        "0/1 Adam on HSDP shards",
-        "zero_one_adam",
-        zoadam={
-            "var_freeze_step": 25,
-            "var_update_scaler": 8,
-            "local_step_scaler": 5,
-            "local_step_clipper": 8,
-            "betas": (0.9, 0.95),
-        },
-        goal_pct=2.0,
-    ),
-    # 1-bit Adam freezes after the warm-up (as DeepSpeed advises); the issue sets no goal for it
-    Method(
-        "hsdp-onebit_adam", "1-bit Adam on HSDP shards", "onebit_adam", zoadam={"freeze_step": 16, "betas": (0.9, 0.95)}
-    ),
-)
-# bert-tiny's recipe freezes 0/1 Adam's variance at step 100 and doubles the sync interval every 20
-# phase-2 steps: in the study's 120 steps phase 2 is 19 steps of interval 1, not one local step.
-# Freezing at step 60 (half the run, 24 variance updates) and doubling every 10 steps gives 38
-# local steps and 21 syncs; the other settings (betas, clipping) stay the recipe's.
-_BERT_HSDP_METHODS = (
-    Method("hsdp", "stock HSDP + AdamW", "none", baseline=True),  # --method none under an FSDP launch
-    Method(
-        "hsdp-zero_one_adam",
-        "0/1 Adam on HSDP shards",
-        "zero_one_adam",
-        zoadam={"var_freeze_step": 60, "local_step_scaler": 10},
-        goal_pct=2.0,
-    ),
-    Method("hsdp-onebit_adam", "1-bit Adam on HSDP shards", "onebit_adam"),  # the recipe's freeze at step 100; no goal
-)
-_ONEBIT_METHODS = (
     Method("adamw", "DDP AdamW", "none", baseline=True),
     Method("zero_one_adam", "0/1 Adam", "zero_one_adam", goal_pct=2.0),
     Method("onebit_adam", "1-bit Adam", "onebit_adam"),  # the issue sets no goal for it

@@ -39,6 +39,7 @@ from ._layout import (
     MANIFEST_FILE,
     MODEL_FILES_DIR,
     ONEBIT_RANK_FILE,
+    QSDP_ERROR_RANK_FILE,
     QSDP_STATE_FILE,
     RUN_STATE_FILE,
     STREAM_STATE_FILE,
@@ -48,6 +49,7 @@ from ._layout import (
     list_checkpoints,
     onebit_rank_path,
     partial_path,
+    qsdp_error_rank_path,
     resolve_resume,
 )
 from ._manifest import file_sha256, verify_checkpoint, write_manifest
@@ -71,10 +73,12 @@ __all__ = [
     "QSDP_STATE_FILE",
     "STREAM_STATE_FILE",
     "ONEBIT_RANK_FILE",
+    "QSDP_ERROR_RANK_FILE",
     "CheckpointError",
     "checkpoint_path",
     "partial_path",
     "onebit_rank_path",
+    "qsdp_error_rank_path",
     "list_checkpoints",
     "latest_checkpoint",
     "resolve_resume",

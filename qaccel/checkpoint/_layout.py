@@ -15,6 +15,8 @@ RUN_STATE_FILE = "qaccel_state.json"
 MODEL_FILES_DIR = "hf_model"
 #: QSDP's seed schedule (main process), JSON
 QSDP_STATE_FILE = "qaccel_qsdp.json"
+#: QSDP's gradient error-feedback buffers of one rank (every rank, with grad_error_feedback), safetensors
+QSDP_ERROR_RANK_FILE = "qaccel_qsdp_error_rank{rank}.safetensors"
 STREAM_STATE_FILE = "qaccel_stream_state.json"  # a --streaming run: [rank 0's stream position, rank 1's, ...]
 #: a 1-bit optimizer's per-rank state (every rank), ``torch.save`` of tensors and plain values
 ONEBIT_RANK_FILE = "qaccel_zoadam_rank{rank}.pt"
@@ -44,6 +46,11 @@ def partial_path(output_dir: str | os.PathLike, step: int) -> Path:
 def onebit_rank_path(folder: str | os.PathLike, rank: int) -> Path:
     """Where rank ``rank`` keeps its 1-bit optimizer state in a checkpoint folder."""
     return Path(folder) / ONEBIT_RANK_FILE.format(rank=rank)
+
+
+def qsdp_error_rank_path(folder: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` keeps its QSDP gradient error-feedback buffers in a checkpoint folder."""
+    return Path(folder) / QSDP_ERROR_RANK_FILE.format(rank=rank)
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:

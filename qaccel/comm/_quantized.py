@@ -15,6 +15,7 @@ matrix. Raw segments (1-D or tiny parameters) travel unquantized. The codec math
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -78,12 +79,13 @@ def mix_seed(*parts: int) -> int:
 
 @dataclass(frozen=True)
 class WireCodec:
-    """How one direction quantizes: bit width, bucket length, metadata dtype and rounding."""
+    """How one direction quantizes: bit width, bucket length, metadata dtype, rounding and bucket rotation."""
 
     bits: int
     bucket_size: int
     meta_dtype: torch.dtype = torch.float32
     rounding: str = "stochastic"
+    rotation: str = "none"
 
     @property
     def meta_itemsize(self) -> int:
@@ -149,6 +151,7 @@ class PayloadLayout:
             meta_dtype=codec.meta_dtype,
             rounding=codec.rounding,
             elem_dtype=self.elem_dtype,
+            rotation=codec.rotation,
         )
 
     @property
@@ -247,6 +250,20 @@ def _seed_table(slot_seeds: list[int], num_segments: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(len(slot_seeds), num_segments)
 
 
+def _rotation_seeds(
+    name: str, spec: PayloadSpec, seeds: Sequence[int] | None, what: str, world: int, rank: int, own_seed: int
+) -> torch.Tensor | None:
+    """The decode seed table of a rotated layout: ``seeds`` in rank order, the own one checked (None unrotated)."""
+    if not spec.rotated:
+        return None
+    if seeds is None or len(seeds) != world:
+        got = "none" if seeds is None else f"{len(seeds)}"
+        raise ValueError(f"{name} (rank {rank}/{world}): a rotated codec needs {what}: one seed per rank ({world}), got {got}")
+    if int(seeds[rank]) != int(own_seed):
+        raise ValueError(f"{name} (rank {rank}/{world}): {what}[{rank}]={seeds[rank]} differs from this rank's own seed {own_seed}")
+    return _seed_table([int(value) for value in seeds], len(spec.segments))
+
+
 def _staging(buffers: BufferPool | None, nbytes: int, device: torch.device) -> torch.Tensor:
     if buffers is None:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -299,6 +316,7 @@ def quantized_all_gather(
     meter: WireMeter,
     kind: str,
     *,
+    owner_seeds: Sequence[int] | None = None,
     async_op: bool = False,
     buffers: BufferPool | None = None,
     timer: PhaseTimer | None = None,
@@ -309,13 +327,16 @@ def quantized_all_gather(
     chunk straight into ``output`` (``docs/qsdp.md``, "Fused payload kernels"). ``input`` may alias
     ``output[rank*S:(rank+1)*S]`` (FSDP2 does this): it is encoded before ``output`` is written.
     With ``async_op`` the transport runs in the background and the returned work decodes on
-    ``wait()``. Bytes recorded: ``(P-1) * layout.nbytes`` each way.
+    ``wait()``. Bytes recorded: ``(P-1) * layout.nbytes`` each way. A rotated codec
+    (``WireCodec.rotation``) needs ``owner_seeds``: the seed every rank encoded its chunk with, in
+    rank order (``owner_seeds[rank] == seed``), since rotating back needs each owner's signs.
     """
     world, rank = group.size(), group.rank()
     chunk_numel = input.numel()
     if output.numel() != world * chunk_numel:
         raise ValueError(f"quantized_all_gather (rank {rank}/{world}): output has {output.numel()} elements, expected {world * chunk_numel}")
     spec, device = layout.spec, input.device
+    decode_seeds = _rotation_seeds("quantized_all_gather", spec, owner_seeds, "owner_seeds", world, rank, seed)
     blob = _staging(buffers, spec.nbytes, device)
     with _timed(timer, kind, "encode", device):
         encode_payloads(input.reshape(-1), spec, [0], _seed_table([seed], len(spec.segments)), blob)
@@ -327,7 +348,7 @@ def quantized_all_gather(
 
     def decode() -> None:
         with _timed(timer, kind, "decode", device):
-            decode_payloads(gathered, spec, output.view(-1), offsets)
+            decode_payloads(gathered, spec, output.view(-1), offsets, decode_seeds)
 
     if async_op:
         collective = _all_gather_single()
@@ -348,6 +369,8 @@ def quantized_reduce_scatter(
     kind: str,
     divide_factor: float = 1.0,
     *,
+    source_seeds: Sequence[int] | None = None,
+    error: torch.Tensor | None = None,
     async_op: bool = False,
     buffers: BufferPool | None = None,
     timer: PhaseTimer | None = None,
@@ -361,6 +384,15 @@ def quantized_reduce_scatter(
     afterwards. With ``async_op`` the returned work finishes the transport and the sum on
     ``wait()``. Bytes recorded: ``(P-1) * layout.nbytes`` each way (a zero-length split for self
     keeps it off the wire).
+
+    A rotated codec (``WireCodec.rotation``) needs ``source_seeds``: per source rank ``s``, the seed
+    ``s`` encoded this rank's chunk with (entry ``rank`` is not read).
+
+    Error feedback (``docs/qsdp.md``, "Error feedback"): ``error`` holds, for the ``P-1`` chunks
+    this rank sends (the other ranks' chunks in rank order, ``(P-1) * S`` elements, fp32 or bf16),
+    what the previous call's quantization left out. Each sent chunk is then ``Q(g_j + e_j)`` and
+    ``error`` becomes ``(g_j + e_j) - decode(Q(g_j + e_j))``, the sum taken in fp32 and the new error
+    rounded once to ``error``'s dtype. The own chunk is exact and keeps no error.
     """
     world, rank = group.size(), group.rank()
     chunk_numel = output.numel()
@@ -369,12 +401,24 @@ def quantized_reduce_scatter(
             f"quantized_reduce_scatter (rank {rank}/{world}): input has {input.numel()} elements and "
             f"{len(seeds)} seeds, expected {world * chunk_numel} and {world}"
         )
+    if error is not None and (error.numel() != (world - 1) * chunk_numel or error.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(
+            f"quantized_reduce_scatter (rank {rank}/{world}): error has {error.numel()} elements of {error.dtype}, expected "
+            f"{(world - 1) * chunk_numel} ((P-1) x output) of float32 or bfloat16"
+        )
     spec, device = layout.spec, input.device
+    sum_seeds = _rotation_seeds("quantized_reduce_scatter", spec, source_seeds, "source_seeds", world, rank, 0 if source_seeds is None else source_seeds[rank])
+    if sum_seeds is not None:
+        sum_seeds = torch.cat([sum_seeds[:rank], sum_seeds[rank + 1 :]])  # the received payloads, in source order
     flat_input = input.reshape(-1)
     others = [j for j in range(world) if j != rank]
     send = _staging(buffers, len(others) * spec.nbytes, device)
+    send_seeds = _seed_table([seeds[j] for j in others], len(spec.segments))
     with _timed(timer, kind, "encode", device):
-        encode_payloads(flat_input, spec, [j * chunk_numel for j in others], _seed_table([seeds[j] for j in others], len(spec.segments)), send)
+        if error is None:
+            encode_payloads(flat_input, spec, [j * chunk_numel for j in others], send_seeds, send)
+        else:
+            _encode_with_error_feedback(flat_input.view(world, chunk_numel), others, spec, send_seeds, send, error)
     recv = _staging(buffers, send.numel(), device)
     splits = [0 if j == rank else spec.nbytes for j in range(world)]
     meter.record(kind, sent_bytes=send.numel(), recv_bytes=recv.numel())
@@ -386,11 +430,11 @@ def quantized_reduce_scatter(
     def reduce() -> None:
         with _timed(timer, kind, "decode", device):
             if divide_factor == 1:
-                sum_payloads(recv, spec, own, flat_out)
+                sum_payloads(recv, spec, own, flat_out, sum_seeds)
             else:
                 # Divide the fp32 sum before rounding to the output dtype (AVG): a rare path.
                 total = torch.empty(chunk_numel, dtype=torch.float32, device=device)
-                sum_payloads(recv, spec, own, total)
+                sum_payloads(recv, spec, own, total, sum_seeds)
                 flat_out.copy_(total.div_(divide_factor))
 
     if async_op:
@@ -400,6 +444,20 @@ def quantized_reduce_scatter(
         dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group)
     reduce()
     return None
+
+
+def _encode_with_error_feedback(
+    chunks: torch.Tensor, others: list[int], spec: PayloadSpec, seeds: torch.Tensor, send: torch.Tensor, error: torch.Tensor
+) -> None:
+    """Encode ``chunks[others] + error`` into ``send`` and leave in ``error`` what the codec dropped."""
+    corrected = chunks[others].to(torch.float32)  # (P-1, S): a fresh fp32 copy (advanced indexing)
+    corrected.add_(error.view(len(others), -1))
+    sent = corrected.to(chunks.dtype).view(-1)  # what the codec reads: the gradient's own dtype
+    offsets = [k * spec.numel for k in range(len(others))]
+    encode_payloads(sent, spec, offsets, seeds, send)
+    decoded = torch.empty(sent.numel(), dtype=torch.float32, device=sent.device)
+    decode_payloads(send, spec, decoded, offsets, seeds if spec.rotated else None)
+    error.view(-1).copy_(corrected.view(-1).sub_(decoded))
 
 
 def counted_all_gather(

@@ -30,6 +30,8 @@ enum Header : int {
   kRawCellNumel,   // elements of a raw segment per cell
   kCellsPerSlot,
   kGroupsPerSlot,  // sum over segments of ceil(numel / 8)
+  kRotation,       // 1: quantized segments are Hadamard-rotated per bucket (reference.py steps 7-10)
+  kRotationMaxBlock,  // longest power-of-two rotation block (ROTATION_MAX_BLOCK)
   kHeaderLen
 };
 
@@ -53,6 +55,8 @@ struct Params {
   bool meta_bf16, nearest;
   int elem_dtype;
   int64_t elem_itemsize, cell_numel, raw_cell_numel, cells_per_slot, groups_per_slot;
+  bool rotation;
+  int64_t rotation_max_block;
 };
 
 inline Params read_params(const int64_t* table) {
@@ -75,6 +79,8 @@ inline Params read_params(const int64_t* table) {
   p.raw_cell_numel = table[kRawCellNumel];
   p.cells_per_slot = table[kCellsPerSlot];
   p.groups_per_slot = table[kGroupsPerSlot];
+  p.rotation = table[kRotation] != 0;
+  p.rotation_max_block = table[kRotationMaxBlock];
   return p;
 }
 

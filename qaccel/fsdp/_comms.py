@@ -156,10 +156,12 @@ class QuantizedAllGather(_UnitComm, AllGather):
             return counted_all_gather(output_tensor, input_tensor, group, self.meter, KIND_FSDP_AG, async_op=async_op)
         layout = self.plan.layout(self.codec, input_tensor.numel(), input_tensor.dtype)
         seed = self.seeds.weight_seed(self.plan.index, group.rank())
+        # A rotated codec decodes every owner's chunk with that owner's signs, hence its seed.
+        owner_seeds = [self.seeds.weight_seed(self.plan.index, owner) for owner in range(group.size())] if layout.spec.rotated else None
         # With async_op (FSDP2 prefetching, see apply_prefetch) the work decodes when FSDP2 waits on it.
         return quantized_all_gather(
             output_tensor, input_tensor, group, layout, seed, self.meter, KIND_QSDP_AG,
-            async_op=async_op, buffers=self.buffers, timer=self.timer,
+            owner_seeds=owner_seeds, async_op=async_op, buffers=self.buffers, timer=self.timer,
         )  # fmt: skip
 
 
@@ -177,12 +179,42 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
     Each call of a unit within one optimizer step draws fresh gradient noise (see
     :class:`qaccel.fsdp.SeedSchedule`), so micro-batches that each reduce-scatter do not repeat it.
 
+    Error feedback (``QSDPConfig.grad_error_feedback``, ``error_dtype``): the unit keeps, per rank,
+    what quantization left out of the chunks it sent (``error``, ``(P-1) x`` the output's
+    elements), allocated zero on the first call and carried from call to call, micro-batches
+    included; :meth:`error_state` / :meth:`load_error_state` save and restore it.
+
     Args:
         plan: the unit's segment map.
         codec: the gradient quantizer, or ``None`` for the stock collective with FSDP's own op.
         seeds: the model's seed schedule.
         meter: where bytes are recorded (kinds ``qsdp.reduce_scatter`` / ``fsdp.reduce_scatter``).
+        buffers: the model's buffer pool.
+        error_dtype: the error-feedback store (float32 or bfloat16), or ``None`` for none.
     """
+
+    def __init__(
+        self,
+        plan: UnitPlan,
+        codec: WireCodec | None,
+        seeds: SeedSchedule,
+        meter: WireMeter,
+        buffers: BufferPool | None = None,
+        error_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(plan, codec, seeds, meter, buffers)
+        self.error_dtype = error_dtype if self.codec is not None else None
+        self.error: torch.Tensor | None = None
+
+    def error_state(self) -> torch.Tensor | None:
+        """The error-feedback buffer (``None`` before the first quantized call or without error feedback)."""
+        return self.error
+
+    def load_error_state(self, error: torch.Tensor | None) -> None:
+        """Restore a saved buffer (``None``: start from zero), cast to this unit's store dtype."""
+        if error is not None and self.error_dtype is None:
+            raise ValueError(f"QSDP unit {self.plan.name}: a saved error-feedback buffer, but error feedback is off")
+        self.error = None if error is None else error.to(self.error_dtype).clone()
 
     def _poolable(self, numel: int) -> bool:
         # FSDP2 allocates the input (P*S elements) and then the output (S): only the input is pooled.
@@ -219,7 +251,29 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
         call = self.seeds.next_grad_call(self.plan.index)
         owner = self.owner_offset + rank
         seeds = [self.seeds.grad_seed(self.plan.index, owner, dest, call) for dest in range(world)]
+        # A rotated codec sums each source's chunk with that source's signs, hence its seed.
+        source_seeds = (
+            [self.seeds.grad_seed(self.plan.index, self.owner_offset + source, rank, call) for source in range(world)]
+            if layout.spec.rotated
+            else None
+        )
         return quantized_reduce_scatter(
             output_tensor, input_tensor, group, layout, seeds, self.meter, KIND_QSDP_RS, divide_factor,
+            source_seeds=source_seeds, error=self._error_buffer(world, output_tensor),
             async_op=async_op, buffers=self.buffers, timer=self.timer,
         )  # fmt: skip
+
+    def _error_buffer(self, world: int, output: torch.Tensor) -> torch.Tensor | None:
+        """This rank's error-feedback buffer for a call with ``output``: zero at first, kept afterwards."""
+        if self.error_dtype is None:
+            return None
+        numel = (world - 1) * output.numel()
+        if self.error is None or self.error.numel() != numel or self.error.device != output.device:
+            if self.error is not None:
+                logger.warning(
+                    "QSDP unit %s: the error-feedback buffer holds %d elements on %s but this reduce-scatter needs %d on "
+                    "%s (world size or device changed): restarting it from zero",
+                    self.plan.name, self.error.numel(), self.error.device, numel, output.device,
+                )  # fmt: skip
+            self.error = torch.zeros(numel, dtype=self.error_dtype, device=output.device)
+        return self.error

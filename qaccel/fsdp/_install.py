@@ -42,8 +42,11 @@ class QSDPHandle:
     """What :func:`install_qsdp` installed: units, their plans and comms, and the seed schedule.
 
     ``state_dict()`` / ``load_state_dict()`` carry the step and gradient-call counters and the
-    config, so a resumed run draws the same rounding noise as an uninterrupted one. QSDP keeps no
-    per-rank state, so a run may resume on another world size; a changed QSDP config is refused.
+    config, so a resumed run draws the same rounding noise as an uninterrupted one; a changed QSDP
+    config is refused. The only per-rank state is gradient error feedback
+    (``QSDPConfig.grad_error_feedback``): :meth:`error_state` / :meth:`load_error_state`, one file per
+    rank in a checkpoint. Without it a run may resume on another world size; with it the buffers
+    then restart from zero, with a warning.
     """
 
     config: QSDPConfig
@@ -86,6 +89,29 @@ class QSDPHandle:
                 self.plans, self.all_gathers, self.reduce_scatters, self.replica_all_reduces or [None] * len(self.plans), strict=True
             )
         ]
+
+    def error_state(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback buffers, ``{"unit<index>": tensor}`` (empty without error feedback)."""
+        return {f"unit{rs.plan.index}": rs.error for rs in self.reduce_scatters if rs.error is not None}
+
+    def load_error_state(self, tensors: dict[str, torch.Tensor], saved_world_size: int) -> None:
+        """Restore this rank's error-feedback buffers saved on ``saved_world_size`` ranks.
+
+        On another world size each rank's chunks (and their errors) belong to other ranks, so every
+        buffer restarts from zero, with a warning; the seeds still resume exactly.
+        """
+        if saved_world_size != self.world_size:
+            logger.warning(
+                "QSDP: the checkpoint's gradient error-feedback buffers were saved on %d ranks, this run has %d: they "
+                "restart from zero (the rounding errors of the last step are dropped once)", saved_world_size, self.world_size,
+            )  # fmt: skip
+            tensors = {}
+        for rs in self.reduce_scatters:
+            rs.load_error_state(tensors.get(f"unit{rs.plan.index}"))
+
+    def error_feedback_nbytes(self) -> int:
+        """Bytes this rank holds for gradient error feedback (0 before the first step or without it)."""
+        return sum(rs.error.numel() * rs.error.element_size() for rs in self.reduce_scatters if rs.error is not None)
 
     def state_dict(self) -> dict:
         return {"seeds": self.seeds.state_dict(), "world_size": self.world_size, "replicas": self.replicas, "config": self.config.to_dict()}
@@ -184,7 +210,7 @@ def install_qsdp(
             unit_min_numel=config.unit_min_numel,
         )
         all_gather = QuantizedAllGather(plan, config.weight_codec(), seeds, meter, buffers)
-        reduce_scatter = QuantizedReduceScatter(plan, config.grad_codec(), seeds, meter, buffers)
+        reduce_scatter = QuantizedReduceScatter(plan, config.grad_codec(), seeds, meter, buffers, config.error_feedback_dtype())
         refuse_unsupported(unit, weights_quantized=all_gather.codec is not None, grads_quantized=reduce_scatter.codec is not None)
         reduce_scatter.owner_offset = owner_offset
         plans.append(plan)

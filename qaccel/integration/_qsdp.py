@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 from .._settings import env_flag
-from ..checkpoint import QSDP_STATE_FILE, atomic_write_json, read_json
+from ..checkpoint import QSDP_STATE_FILE, atomic_open, atomic_write_json, qsdp_error_rank_path, read_json
 from ..fsdp import QSDPConfig, QSDPHandle, install_qsdp
 from ..optim import OneBitOptimizerBase
 from ._accelerate_internals import (
@@ -83,6 +83,9 @@ QSDP_KEYWORDS = (
     "master_weights",
     "param_min_numel",
     "unit_min_numel",
+    "weight_rotation",
+    "grad_rotation",
+    "grad_error_feedback",
     "prefetch",
 )
 
@@ -132,6 +135,9 @@ class QSDPPlugin(FullyShardedDataParallelPlugin):
     master_weights: InitVar[Any] = _NOT_GIVEN
     param_min_numel: InitVar[Any] = _NOT_GIVEN
     unit_min_numel: InitVar[Any] = _NOT_GIVEN
+    weight_rotation: InitVar[Any] = _NOT_GIVEN
+    grad_rotation: InitVar[Any] = _NOT_GIVEN
+    grad_error_feedback: InitVar[Any] = _NOT_GIVEN
     prefetch: InitVar[Any] = _NOT_GIVEN
 
     def __post_init__(self, recipe: str | os.PathLike | None, *qsdp_values: Any) -> None:
@@ -374,22 +380,34 @@ def after_prepare(accelerator: Any, objects: list) -> None:
     # The seed counters drive the rounding noise; save_state/load_state carry them for exact
     # resumes. As JSON through the state hooks rather than register_for_checkpointing, whose
     # pickle Accelerate loads with weights_only=False: nothing is unpickled unsafely on resume.
-    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: accelerator.is_main_process and write_qsdp_state(handle, output_dir))
-    accelerator.register_load_state_pre_hook(lambda models, input_dir: read_qsdp_state(handle, input_dir))
+    rank = accelerator.process_index
+    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: write_qsdp_state(handle, output_dir, rank, accelerator.is_main_process))
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: read_qsdp_state(handle, input_dir, rank))
     if accelerator.is_main_process:
         logger.info("QSDP config: %s; units: %s", plugin.qsdp_config.to_dict(), handle.describe())
 
 
-def write_qsdp_state(handle: QSDPHandle, output_dir: str | os.PathLike) -> None:
-    """Write ``qaccel_qsdp.json`` (seed counters, world size, config) atomically; main process only."""
-    atomic_write_json(Path(output_dir) / QSDP_STATE_FILE, handle.state_dict())
+def write_qsdp_state(handle: QSDPHandle, output_dir: str | os.PathLike, rank: int, is_main_process: bool) -> None:
+    """Write ``qaccel_qsdp.json`` (seed counters, world size, config; main process) and, with gradient
+    error feedback, this rank's buffers (``qaccel_qsdp_error_rank<rank>.safetensors``); call on every rank."""
+    if is_main_process:
+        atomic_write_json(Path(output_dir) / QSDP_STATE_FILE, handle.state_dict())
+    if handle.config.grad_error_feedback is not None:
+        from safetensors.torch import save
+
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in handle.error_state().items()}
+        with atomic_open(qsdp_error_rank_path(output_dir, rank), "wb") as stream:
+            stream.write(save(tensors, metadata={"world_size": str(handle.world_size), "rank": str(rank)}))
 
 
-def read_qsdp_state(handle: QSDPHandle, input_dir: str | os.PathLike) -> bool:
-    """Restore the seed counters from ``input_dir``; False (and a warning) when it has none.
+def read_qsdp_state(handle: QSDPHandle, input_dir: str | os.PathLike, rank: int) -> bool:
+    """Restore the seed counters (and this rank's error-feedback buffers) from ``input_dir``.
+
+    Returns False (and a warning) when the folder has no QSDP state.
 
     Raises:
-        ValueError: the checkpoint was saved with other QSDP settings (naming each one).
+        ValueError: the checkpoint was saved with other QSDP settings (naming each one), or with
+            error feedback on the same world size but without this rank's buffer file.
     """
     path = Path(input_dir) / QSDP_STATE_FILE
     if not path.exists():
@@ -398,5 +416,20 @@ def read_qsdp_state(handle: QSDPHandle, input_dir: str | os.PathLike) -> bool:
             "unaffected otherwise", input_dir, QSDP_STATE_FILE,
         )  # fmt: skip
         return False
-    handle.load_state_dict(read_json(path))
+    state = read_json(path)
+    handle.load_state_dict(state)
+    if handle.config.grad_error_feedback is not None:
+        saved_world_size = int(state["world_size"])
+        error_path = qsdp_error_rank_path(input_dir, rank)
+        tensors: dict[str, torch.Tensor] = {}
+        if saved_world_size == handle.world_size:
+            if not error_path.exists():
+                raise ValueError(
+                    f"QSDP checkpoint {input_dir}: saved with grad_error_feedback on {saved_world_size} ranks but "
+                    f"{error_path.name} (rank {rank}'s error buffers) is missing; the checkpoint is incomplete"
+                )
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(error_path))
+        handle.load_error_state(tensors, saved_world_size)
     return True

@@ -34,8 +34,8 @@ def save_qaccel_state(accelerator: Any, output_dir: str | os.PathLike) -> None:
     # Under DDP only the main process creates the folder (when saving the model): do not race it.
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     handle = getattr(accelerator, "qsdp", None)
-    if handle is not None and accelerator.is_main_process:
-        write_qsdp_state(handle, output_dir)
+    if handle is not None:
+        write_qsdp_state(handle, output_dir, accelerator.process_index, accelerator.is_main_process)
     _zero_one_adam._save_hook(accelerator)([], [], str(output_dir))
 
 
@@ -49,4 +49,4 @@ def load_qsdp_state(accelerator: Any, checkpoint: str | os.PathLike) -> None:
     handle = getattr(accelerator, "qsdp", None)
     if handle is None:
         return
-    read_qsdp_state(handle, checkpoint)
+    read_qsdp_state(handle, checkpoint, accelerator.process_index)

@@ -10,6 +10,7 @@ from ._payload import PayloadSpec
 from ._payload_api import decode_payloads, encode_payloads, sum_payloads
 from ._types import (
     META_DTYPES,
+    ROTATIONS,
     ROUNDINGS,
     QuantizedTensor,
     SignCompressed,
@@ -34,5 +35,6 @@ __all__ = [
     "sign_packed_bytes",
     "META_DTYPES",
     "ROUNDINGS",
+    "ROTATIONS",
     "reference",
 ]

@@ -24,15 +24,15 @@ from functools import cached_property
 
 import torch
 
-from ._types import META_DTYPES, ROUNDINGS, packed_code_bytes
+from ._types import META_DTYPES, ROTATION_MAX_BLOCK, ROTATIONS, ROUNDINGS, packed_code_bytes
 
 __all__ = ["PayloadSpec", "HEADER_LEN", "ROW_LEN", "RAW_CELL_NUMEL", "DTYPE_CODES"]
 
 # Header entries (must match quant_payload.h).
 (H_NSEG, H_NUMEL, H_NBYTES, H_CODE_BYTES, H_META_OFFSET, H_NUM_BUCKETS, H_RAW_OFFSET, H_RAW_BYTES, H_BITS,
  H_BUCKET, H_META_BF16, H_NEAREST, H_ELEM_DTYPE, H_ELEM_ITEMSIZE, H_CELL_NUMEL, H_RAW_CELL_NUMEL,
- H_CELLS_PER_SLOT, H_GROUPS_PER_SLOT) = range(18)  # fmt: skip
-HEADER_LEN = 18
+ H_CELLS_PER_SLOT, H_GROUPS_PER_SLOT, H_ROTATION, H_ROTATION_MAX_BLOCK) = range(20)  # fmt: skip
+HEADER_LEN = 20
 # Row entries, one row per segment (must match quant_payload.h).
 (C_ELEM_OFFSET, C_NUMEL, C_QUANTIZED, C_CODE_OFFSET, C_BUCKET_OFFSET, C_RAW_OFFSET, C_CELL_OFFSET,
  C_GROUP_OFFSET) = range(8)  # fmt: skip
@@ -59,6 +59,9 @@ class PayloadSpec:
         meta_dtype: ``torch.float32`` or ``torch.bfloat16``.
         rounding: ``"stochastic"`` or ``"nearest"``.
         elem_dtype: dtype of the chunk (float32, bfloat16 or float16); raw segments keep it.
+        rotation: ``"none"`` or ``"hadamard"``: quantized segments are rotated bucket by bucket
+            before encoding and rotated back after decoding (``qaccel.quant.reference``, steps
+            7-10); decoding then needs the encode's seeds. Bytes do not change.
 
     Every attribute below is a property computed once: ``numel`` (elements of a chunk),
     ``code_bytes``, ``meta_offset``, ``num_buckets``, ``raw_offset``, ``raw_bytes``, ``nbytes``, and
@@ -72,8 +75,11 @@ class PayloadSpec:
     meta_dtype: torch.dtype = torch.float32
     rounding: str = "stochastic"
     elem_dtype: torch.dtype = torch.float32
+    rotation: str = "none"
 
     def __post_init__(self) -> None:
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"PayloadSpec: rotation={self.rotation!r}: must be one of {', '.join(ROTATIONS)}")
         if self.meta_dtype not in META_DTYPES.values():
             raise ValueError(f"PayloadSpec: meta_dtype={self.meta_dtype!r}: must be torch.float32 or torch.bfloat16")
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
@@ -169,6 +175,11 @@ class PayloadSpec:
         return tuple(self.raw_offset + r for r in self._offsets["raw"])
 
     @property
+    def rotated(self) -> bool:
+        """True when quantized segments are Hadamard-rotated (decoding needs the encode's seeds)."""
+        return self.rotation == "hadamard"
+
+    @property
     def nearest(self) -> bool:
         return self.rounding == "nearest"
 
@@ -210,6 +221,8 @@ class PayloadSpec:
         header[H_RAW_CELL_NUMEL] = RAW_CELL_NUMEL
         header[H_CELLS_PER_SLOT] = cells
         header[H_GROUPS_PER_SLOT] = groups
+        header[H_ROTATION] = int(self.rotated)
+        header[H_ROTATION_MAX_BLOCK] = ROTATION_MAX_BLOCK
         flat = header + [value for row in rows for value in row]
         return torch.tensor(flat, dtype=torch.int64)
 
@@ -222,7 +235,8 @@ class PayloadSpec:
 
         Layout: header ``[nseg, numel, nbytes, code_bytes, meta_offset, num_buckets, raw_offset,
         raw_bytes, bits, bucket_size, meta_bf16, nearest, elem_dtype (0 fp32, 1 bf16, 2 fp16),
-        elem_itemsize, cell_numel, raw_cell_numel, cells_per_slot, groups_per_slot]``, then per
+        elem_itemsize, cell_numel, raw_cell_numel, cells_per_slot, groups_per_slot, rotation (0 none,
+        1 hadamard), rotation_max_block]``, then per
         segment ``[elem_offset, numel, quantized, code_offset, bucket_offset, raw_offset,
         cell_offset, group_offset]`` (byte offsets from the start of a payload; cells and groups are
         the CUDA kernels' work units).

@@ -86,6 +86,30 @@ def _offsets(name: str, what: str, offsets: object, slots_hint: int | None, nume
     return values
 
 
+def _check_seeds(name: str, seeds: object, spec: PayloadSpec, slots: int | None, device: torch.device) -> None:
+    """``seeds``: int64 ``[slots, segments]`` on the CPU or ``device``."""
+    if not isinstance(seeds, torch.Tensor) or seeds.dtype != torch.int64 or seeds.dim() != 2:
+        got = f"{seeds.dtype} {tuple(seeds.shape)}" if isinstance(seeds, torch.Tensor) else type(seeds).__name__
+        raise TypeError(f"{name}: seeds must be an int64 tensor [slots, {len(spec.segments)}], got {got}")
+    if seeds.shape[1] != len(spec.segments) or (slots is not None and seeds.shape[0] != slots):
+        expected = "slots" if slots is None else str(slots)
+        raise ValueError(f"{name}: seeds has shape {tuple(seeds.shape)}: expected [{expected}, {len(spec.segments)}] "
+                         "(one seed per slot and segment)")  # fmt: skip
+    if seeds.device.type != "cpu" and seeds.device != device:
+        raise ValueError(f"{name}: seeds is on {seeds.device}: must be on the CPU or on {device}")
+
+
+def _decode_seeds(name: str, seeds: object, spec: PayloadSpec, slots: int, device: torch.device) -> torch.Tensor | None:
+    """The encode seeds a rotated spec needs to rotate back (None when the spec is not rotated)."""
+    if not spec.rotated:
+        return None
+    if seeds is None:
+        raise ValueError(f"{name}: spec.rotation={spec.rotation!r} needs seeds: the [slots, segments] int64 table the "
+                         "payloads were encoded with (the rotation signs come from them)")  # fmt: skip
+    _check_seeds(name, seeds, spec, slots, device)
+    return seeds.contiguous()
+
+
 def encode_payloads(
     src: torch.Tensor,
     spec: PayloadSpec,
@@ -115,15 +139,8 @@ def encode_payloads(
     if src.dtype != spec.elem_dtype:
         raise TypeError(f"{name}: src.dtype={src.dtype}: must equal spec.elem_dtype={spec.elem_dtype}")
     out = _check_flat(name, "out", out, (torch.uint8,))
-    if not isinstance(seeds, torch.Tensor) or seeds.dtype != torch.int64 or seeds.dim() != 2:
-        got = f"{seeds.dtype} {tuple(seeds.shape)}" if isinstance(seeds, torch.Tensor) else type(seeds).__name__
-        raise TypeError(f"{name}: seeds must be an int64 tensor [slots, {len(spec.segments)}], got {got}")
+    _check_seeds(name, seeds, spec, None, src.device)
     slots = seeds.shape[0]
-    if seeds.shape[1] != len(spec.segments):
-        raise ValueError(f"{name}: seeds has shape {tuple(seeds.shape)}: expected [slots, {len(spec.segments)}] "
-                         "(one seed per segment)")  # fmt: skip
-    if seeds.device.type != "cpu" and seeds.device != src.device:
-        raise ValueError(f"{name}: seeds is on {seeds.device}: must be on the CPU or on src's device {src.device}")
     offsets = _offsets(name, "src_offsets", src_offsets, slots, spec.numel, src.numel())
     if out.numel() != slots * spec.nbytes:
         raise ValueError(f"{name}: out has {out.numel()} bytes: expected slots * spec.nbytes = {slots} * {spec.nbytes}")
@@ -135,7 +152,11 @@ def encode_payloads(
 
 
 def decode_payloads(
-    blob: torch.Tensor, spec: PayloadSpec, out: torch.Tensor, out_offsets: Sequence[int] | torch.Tensor
+    blob: torch.Tensor,
+    spec: PayloadSpec,
+    out: torch.Tensor,
+    out_offsets: Sequence[int] | torch.Tensor,
+    seeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode consecutive payloads of ``blob`` into ``out``, one chunk per slot (overwriting), in one call.
 
@@ -144,6 +165,8 @@ def decode_payloads(
         spec: the payload layout.
         out: flat, contiguous fp32/bf16/fp16 tensor, not overlapping ``blob``.
         out_offsets: per slot, the element offset of its chunk in ``out``; chunks must not overlap.
+        seeds: the ``[slots, segments]`` int64 table the payloads were encoded with; required when
+            ``spec.rotation`` is ``"hadamard"`` (the rotation signs come from it), ignored otherwise.
 
     Returns:
         ``out``, with ``out[out_offsets[s]:][:spec.numel]`` equal to ``dequantize`` of every
@@ -165,11 +188,14 @@ def decode_payloads(
     _check_device(name, "out", out, blob.device)
     _check_aligned(name, "blob", blob)
     _check_disjoint(name, "blob", blob, "out", out)
+    seeds = _decode_seeds(name, seeds, spec, slots, out.device)
     kernels = _backend.kernels_for(out.device)
-    return kernels.decode_payloads(blob, spec, out, offsets)
+    return kernels.decode_payloads(blob, spec, out, offsets, seeds)
 
 
-def sum_payloads(blob: torch.Tensor, spec: PayloadSpec, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def sum_payloads(
+    blob: torch.Tensor, spec: PayloadSpec, base: torch.Tensor, out: torch.Tensor, seeds: torch.Tensor | None = None
+) -> torch.Tensor:
     """``out = base + decoded payload 0 + payload 1 + ...``, summed in fp32 in slot order, rounded once.
 
     This is the receive side of the quantized reduce-scatter: ``base`` is the rank's own exact
@@ -182,6 +208,8 @@ def sum_payloads(blob: torch.Tensor, spec: PayloadSpec, base: torch.Tensor, out:
         base: flat, contiguous fp32/bf16/fp16 tensor of ``spec.numel`` elements; may be ``out``
             itself, but must not partly overlap it.
         out: flat, contiguous fp32/bf16/fp16 tensor of ``spec.numel`` elements.
+        seeds: the ``[slots, segments]`` int64 table of each payload's encode seeds; required when
+            ``spec.rotation`` is ``"hadamard"``, ignored otherwise.
 
     Returns:
         ``out``: per element ``to(out.dtype)(((fp32(base) + d_0) + d_1) + ...)`` where ``d_s`` is the
@@ -206,5 +234,6 @@ def sum_payloads(blob: torch.Tensor, spec: PayloadSpec, base: torch.Tensor, out:
     same = base.data_ptr() == out.data_ptr() and base.dtype == out.dtype
     if not same:
         _check_disjoint(name, "base", base, "out", out)
+    seeds = _decode_seeds(name, seeds, spec, blob.numel() // spec.nbytes if spec.nbytes else 0, out.device)
     kernels = _backend.kernels_for(out.device)
-    return kernels.sum_payloads(blob, spec, base, out)
+    return kernels.sum_payloads(blob, spec, base, out, seeds)

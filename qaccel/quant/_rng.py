@@ -9,7 +9,9 @@ Specification (all arithmetic on unsigned 32-bit integers, wrapping)::
 
     lowbias32(x): x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
     key(seed, i)  = lowbias32(lo32(seed) ^ lowbias32(hi32(seed) + hi32(i)))
-    u(seed, i)    = (lowbias32(lo32(i) ^ key(seed, i)) >> 8) * 2**-24          # in [0, 1)
+    hash(seed, i) = lowbias32(lo32(i) ^ key(seed, i))
+    u(seed, i)    = (hash(seed, i) >> 8) * 2**-24                               # in [0, 1)
+    sign(seed, i) = -1 if hash(seed, i) & 1 else +1     # Hadamard rotation signs (bit 0, unused by u)
 
 ``seed`` is an unsigned 64-bit integer and ``i`` the element's index in the flat tensor.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MASK32", "lowbias32", "uniform_from_counter", "normalize_seed"]
+__all__ = ["MASK32", "lowbias32", "counter_hash", "uniform_from_counter", "rotation_signs", "normalize_seed"]
 
 MASK32 = 0xFFFFFFFF
 _MIX1 = 0x7FEB352D
@@ -51,8 +53,8 @@ def _lowbias32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def uniform_from_counter(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Return ``u(seed, i)`` for ``i in range(numel)`` as an fp32 tensor in [0, 1)."""
+def counter_hash(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Return ``hash(seed, i)`` for ``i in range(numel)`` as int64 values in [0, 2**32)."""
     seed = normalize_seed(seed)
     index = torch.arange(numel, dtype=torch.int64, device=device)
     seed_lo, seed_hi = seed & MASK32, seed >> 32
@@ -61,5 +63,18 @@ def uniform_from_counter(seed: int, numel: int, device: torch.device | str = "cp
         key = torch.full_like(index, seed_lo ^ _lowbias32_int(seed_hi))
     else:
         key = seed_lo ^ lowbias32((index_hi + seed_hi) & MASK32)
-    bits = lowbias32((index & MASK32) ^ key)
-    return (bits >> 8).to(torch.float32) * (2.0**-24)
+    return lowbias32((index & MASK32) ^ key)
+
+
+def uniform_from_counter(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Return ``u(seed, i)`` for ``i in range(numel)`` as an fp32 tensor in [0, 1)."""
+    return (counter_hash(seed, numel, device) >> 8).to(torch.float32) * (2.0**-24)
+
+
+def rotation_signs(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Return ``sign(seed, i)`` for ``i in range(numel)`` as fp64 +-1: bit 0 of the rounding hash.
+
+    The rounding offset ``u`` uses the top 24 bits of the same hash, so a rotated encode computes one
+    hash per element for both.
+    """
+    return 1.0 - 2.0 * (counter_hash(seed, numel, device) & 1).to(torch.float64)

@@ -15,9 +15,17 @@ __all__ = [
     "sign_packed_bytes",
     "META_DTYPES",
     "ROUNDINGS",
+    "ROTATIONS",
+    "ROTATION_MAX_BLOCK",
+    "rotation_blocks",
 ]
 
 ROUNDINGS = ("stochastic", "nearest")
+# Bucket rotations of the payload codecs (``reference`` module docstring, "Rotation").
+ROTATIONS = ("none", "hadamard")
+# Longest Hadamard block: a bucket is rotated in power-of-two blocks of at most this many elements,
+# so one CUDA warp holds a block in shared memory whatever the bucket size.
+ROTATION_MAX_BLOCK = 1024
 # Narrow metadata is rounded outward (lo down, scale up) so the grid still covers [min, max].
 META_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -32,6 +40,20 @@ def quantized_nbytes(numel: int, bits: int, bucket_size: int, meta_dtype: torch.
     num_buckets = math.ceil(numel / bucket_size)
     meta_itemsize = torch.empty((), dtype=meta_dtype).element_size()
     return packed_code_bytes(numel, bits) + 2 * meta_itemsize * num_buckets
+
+
+def rotation_blocks(length: int) -> list[int]:
+    """Power-of-two block lengths tiling a bucket of ``length`` elements, in order: the longest first.
+
+    Each block is the largest power of two not above what is left, capped at ``ROTATION_MAX_BLOCK``
+    (100 -> 64, 32, 4; 128 -> 128; 2500 -> 1024, 1024, 256, 128, 64, 4).
+    """
+    blocks = []
+    while length > 0:
+        block = min(1 << (length.bit_length() - 1), ROTATION_MAX_BLOCK)
+        blocks.append(block)
+        length -= block
+    return blocks
 
 
 def sign_packed_bytes(numel: int, chunks: int) -> int:

@@ -23,6 +23,24 @@ flat tensor split into buckets of ``bucket_size`` elements (the last may be shor
 6. Packing: eight codes form a group of ``bits`` bytes read as a little-endian integer; code ``j`` of
    the group sits at bits ``[bits*j, bits*j + bits)``. The last group is padded with code 0.
 
+Rotation (payload codecs with ``PayloadSpec.rotation == "hadamard"``; ``docs/kernels.md``,
+"Hadamard rotation"). A quantized segment of ``n`` elements rounded with seed ``s`` is rotated
+bucket by bucket before step 1, and the decoded values are rotated back after step 5; bytes and
+layout do not change:
+
+7. Each bucket is tiled by power-of-two blocks (:func:`qaccel.quant._types.rotation_blocks`: the
+   largest power of two not above what is left, at most ``ROTATION_MAX_BLOCK`` = 1024).
+8. Signs: ``d_i = -1 if hash(s, i) & 1 else +1`` for the element's index ``i`` in the segment (bit 0
+   of the rounding hash, ``qaccel.quant._rng``).
+9. Forward, per block of length ``b`` with ``c = 1.0 / sqrt(double(b))`` (both correctly rounded):
+   ``w_i = double(fp32(x_i)) * d_i``; the Walsh-Hadamard butterflies in double for
+   ``h = 1, 2, 4, ..., b/2``: every pair ``(j, j + h)`` with ``j & h == 0`` (block-local ``j``)
+   becomes ``(w_j + w_{j+h}, w_j - w_{j+h})``; then ``r_i = fp32(w_i * c)``. Steps 1-4 quantize
+   ``r`` (metadata from ``r``; the rounding offset of ``r_i`` is ``u(s, i)`` as before).
+10. Inverse, after step 5 (``y_i`` the decoded fp32 value): ``w_i = double(y_i)``, the same
+    butterflies, then ``x_hat_i = fp32((w_i * c) * d_i)``, written or accumulated as in step 5.
+    A NaN bucket decodes to NaN in every element of its blocks.
+
 1-bit sign codec (0/1 Adam, ``docs/zero_one_adam.md``, "Wire format of the 1-bit all-reduce"): see
 :class:`qaccel.quant.SignCompressed` for the layout; the scale of a chunk is
 ``torch.linalg.vector_norm(chunk) / sqrt(n_c)`` in fp32, as DeepSpeed computes it.
@@ -36,7 +54,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._rng import uniform_from_counter
+from ._rng import rotation_signs, uniform_from_counter
+from ._types import rotation_blocks
 
 if TYPE_CHECKING:
     from ._payload import PayloadSpec
@@ -54,6 +73,7 @@ __all__ = [
     "sum_payloads",
     "round_down_to",
     "round_up_to",
+    "hadamard_rotate",
 ]
 
 _NAN32 = float("nan")
@@ -180,6 +200,54 @@ def dequantize_into(
     return out
 
 
+def _butterflies(w: torch.Tensor) -> torch.Tensor:
+    """Walsh-Hadamard butterflies (unnormalized) over the last dim of ``w`` (fp64, a power of two long)."""
+    rows, length = w.shape
+    h = 1
+    while h < length:
+        pairs = w.view(rows, length // (2 * h), 2, h)
+        a, c = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        w = torch.stack((a + c, a - c), dim=2).view(rows, length)
+        h *= 2
+    return w
+
+
+def hadamard_rotate(x: torch.Tensor, bucket_size: int, seed: int, inverse: bool = False) -> torch.Tensor:
+    """Rotate (or, with ``inverse``, rotate back) a flat segment bucket by bucket; returns fp32.
+
+    Steps 7-10 of the module docstring: randomized Walsh-Hadamard transform per power-of-two block,
+    signs from ``seed``. ``hadamard_rotate(hadamard_rotate(x, B, s), B, s, inverse=True)`` equals
+    ``x`` up to fp32 rounding.
+    """
+    xf = x.reshape(-1).to(torch.float32)
+    numel = xf.numel()
+    out = torch.empty(numel, dtype=torch.float32, device=x.device)
+    if numel == 0:
+        return out
+    signs = rotation_signs(seed, numel, x.device)
+    w_all = xf.double() if inverse else xf.double() * signs
+    full = numel // bucket_size
+    spans = []  # (start of the first bucket, buckets, block offset in the bucket, block length)
+    if full:
+        offset = 0
+        for block in rotation_blocks(bucket_size):
+            spans.append((0, full, offset, block))
+            offset += block
+    offset = full * bucket_size
+    for block in rotation_blocks(numel - offset):
+        spans.append((offset, 1, 0, block))
+        offset += block
+    for start, buckets, in_bucket, block in spans:
+        rows = w_all[start : start + buckets * bucket_size].view(buckets, -1)[:, in_bucket : in_bucket + block]
+        w = _butterflies(rows.contiguous()) * (1.0 / math.sqrt(block))
+        target = out[start : start + buckets * bucket_size].view(buckets, -1)[:, in_bucket : in_bucket + block]
+        if inverse:
+            row_signs = signs[start : start + buckets * bucket_size].view(buckets, -1)[:, in_bucket : in_bucket + block]
+            w = w * row_signs
+        target.copy_(w.to(torch.float32))
+    return out
+
+
 def chunk_rms(x: torch.Tensor, chunks: int) -> torch.Tensor:
     """``||x_c||_2 / sqrt(n_c)`` per equal chunk, fp32 (DeepSpeed's 1-bit scale)."""
     xf = x.reshape(-1).to(torch.float32)
@@ -255,10 +323,10 @@ def encode_payloads(
             if not quantized:
                 _payload_parts(blob, spec, index).copy_(segment)
                 continue
-            codes, lo, scale = quantize_buckets(
-                segment, spec.bits, spec.bucket_size, spec.nearest, seed_rows[slot][index] & 0xFFFFFFFFFFFFFFFF,
-                spec.meta_dtype,
-            )
+            seed = seed_rows[slot][index] & 0xFFFFFFFFFFFFFFFF
+            if spec.rotated:
+                segment = hadamard_rotate(segment, spec.bucket_size, seed)
+            codes, lo, scale = quantize_buckets(segment, spec.bits, spec.bucket_size, spec.nearest, seed, spec.meta_dtype)
             view_codes, view_lo, view_scale = _payload_parts(blob, spec, index)
             view_codes.copy_(codes)
             view_lo.copy_(lo)
@@ -268,9 +336,34 @@ def encode_payloads(
     return out
 
 
-def decode_payloads(blob: torch.Tensor, spec: PayloadSpec, out: torch.Tensor, out_offsets: Sequence[int]) -> torch.Tensor:
-    """Decode payload ``s`` of ``blob`` into ``out[out_offsets[s]:][:spec.numel]`` (overwrite); pre-validated."""
+def _decode_segment(parts, spec: PayloadSpec, seed: int | None, target: torch.Tensor, accumulate: bool) -> None:
+    """Decode one quantized segment into ``target`` (overwrite or fp32 add), rotating back if rotated."""
+    if not spec.rotated:
+        dequantize_into(*parts, spec.bits, spec.bucket_size, target, accumulate)
+        return
+    rotated = torch.empty(target.numel(), dtype=torch.float32, device=target.device)
+    dequantize_into(*parts, spec.bits, spec.bucket_size, rotated, False)
+    decoded = hadamard_rotate(rotated, spec.bucket_size, seed, inverse=True)
+    target.copy_(target.to(torch.float32) + decoded if accumulate else decoded)
+
+
+def _seed_rows(seeds: torch.Tensor | None) -> list[list[int]] | None:
+    return None if seeds is None else [[value & 0xFFFFFFFFFFFFFFFF for value in row] for row in seeds.tolist()]
+
+
+def decode_payloads(
+    blob: torch.Tensor,
+    spec: PayloadSpec,
+    out: torch.Tensor,
+    out_offsets: Sequence[int],
+    seeds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode payload ``s`` of ``blob`` into ``out[out_offsets[s]:][:spec.numel]`` (overwrite); pre-validated.
+
+    ``seeds`` (``[slots, segments]``, the encode's table) is read only when ``spec.rotated``.
+    """
     nbytes = spec.nbytes
+    seed_rows = _seed_rows(seeds)
     for slot, start in enumerate(out_offsets):
         payload = blob[slot * nbytes : (slot + 1) * nbytes]
         for index, (numel, quantized) in enumerate(spec.segments):
@@ -278,15 +371,21 @@ def decode_payloads(blob: torch.Tensor, spec: PayloadSpec, out: torch.Tensor, ou
             target = out[first : first + numel]
             parts = _payload_parts(payload, spec, index)
             if quantized:
-                dequantize_into(*parts, spec.bits, spec.bucket_size, target, False)
+                _decode_segment(parts, spec, seed_rows and seed_rows[slot][index], target, False)
             else:
                 target.copy_(parts)
     return out
 
 
-def sum_payloads(blob: torch.Tensor, spec: PayloadSpec, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = base + payload_0 + payload_1 + ...`` summed in fp32 in slot order, rounded once; pre-validated."""
+def sum_payloads(
+    blob: torch.Tensor, spec: PayloadSpec, base: torch.Tensor, out: torch.Tensor, seeds: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out = base + payload_0 + payload_1 + ...`` summed in fp32 in slot order, rounded once; pre-validated.
+
+    ``seeds`` (``[slots, segments]``, each payload's encode seeds) is read only when ``spec.rotated``.
+    """
     nbytes = spec.nbytes
+    seed_rows = _seed_rows(seeds)
     total = base.reshape(-1).to(torch.float32, copy=True)
     slots = blob.numel() // nbytes if nbytes else 0
     for slot in range(slots):
@@ -296,7 +395,7 @@ def sum_payloads(blob: torch.Tensor, spec: PayloadSpec, base: torch.Tensor, out:
             target = total[first : first + numel]
             parts = _payload_parts(payload, spec, index)
             if quantized:
-                dequantize_into(*parts, spec.bits, spec.bucket_size, target, True)
+                _decode_segment(parts, spec, seed_rows and seed_rows[slot][index], target, True)
             else:
                 target.add_(parts.to(torch.float32))
     out.reshape(-1).copy_(total)

@@ -1,5 +1,10 @@
 """``qaccel bench quant``: codec throughput per kernel backend against a memory copy (the bound).
 
+Two studies share the command: ``--study throughput`` (the default, described here) and
+``--study error`` (round-trip error of 2-8 bit codecs with and without Hadamard rotation, and the
+rotation's cost on one thread: :mod:`qaccel.bench._quant_error`). A flag of one study given to the
+other is an input error.
+
 For every backend usable on the device (``reference`` always; ``cpu``/``cuda`` when they build) and
 for ``bits`` 8 and 4, it times quantize, dequantize and the round trip on one large fp32 tensor,
 on one thread and on all threads (CPU), and a plain copy of the same tensor. Throughput is
@@ -31,20 +36,37 @@ logger = logging.getLogger(__name__)
 
 _GOAL_VS_REFERENCE = 5.0
 _GOAL_VS_COPY = 0.30
+STUDIES = ("throughput", "error")
+# Defaults of the throughput study's flags (None on the command line means "not given"); --bits and --bucket_size are
+# shared with the error study, which has its own defaults (_quant_error.ERROR_DEFAULTS).
+THROUGHPUT_DEFAULTS = {"bits": "8,4", "bucket_size": 1024, "numel": 1 << 26, "reference_numel": 1 << 23, "threads": "1,all"}
+
+
+class QuantInputError(ValueError):
+    """Bad ``qaccel bench quant`` input: one line on stderr, exit status 2."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--numel", type=int, default=1 << 26, help="fp32 values in the test tensor (default 64M)")
+    from . import _quant_error
+
+    parser.add_argument("--study", choices=STUDIES, default="throughput",
+                        help="throughput: codec GB/s per backend vs a copy (default); error: round-trip error with and "
+                             "without Hadamard rotation at 2-8 bits, and the rotation's cost")  # fmt: skip
+    parser.add_argument("--numel", type=int, default=None, help="throughput: fp32 values in the test tensor (default 64M)")
     parser.add_argument(
-        "--reference_numel", type=int, default=1 << 23, help="values for the slow reference backend (default 8M)"
+        "--reference_numel", type=int, default=None, help="throughput: values for the slow reference backend (default 8M)"
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
-    parser.add_argument("--bits", default="8,4", help="comma-separated code widths (default 8,4)")
-    parser.add_argument("--bucket_size", type=int, default=1024, help="elements per bucket (default 1024)")
+    parser.add_argument("--bits", default=None,
+                        help=f"comma-separated code widths (default {THROUGHPUT_DEFAULTS['bits']}; error study: "
+                             f"{_quant_error.ERROR_DEFAULTS['bits']})")  # fmt: skip
+    parser.add_argument("--bucket_size", type=int, default=None,
+                        help="elements per bucket (default 1024; error study: the per-bit default, 1024 at 8 bits, 128 below)")  # fmt: skip
     parser.add_argument(
-        "--threads", default="1,all", help="comma-separated CPU thread counts, 'all' = torch's default (default 1,all)"
+        "--threads", default=None, help="throughput: comma-separated CPU thread counts, 'all' = torch's default (default 1,all)"
     )
-    parser.add_argument("--png", default=None, help="write a bar chart here (default: next to --json)")
+    parser.add_argument("--png", default=None, help="write the figure here (default: next to --json)")
+    _quant_error.add_arguments(parser)
 
 
 def _parse_list(name: str, text: str, allow_all: bool = False) -> list[int | str]:
@@ -57,8 +79,16 @@ def _parse_list(name: str, text: str, allow_all: bool = False) -> list[int | str
         try:
             values.append(int(item))
         except ValueError:
-            raise ValueError(f"--{name}={text!r}: expected comma-separated integers{' or all' if allow_all else ''}") from None
+            raise QuantInputError(f"--{name}={text!r}: expected comma-separated integers{' or all' if allow_all else ''}") from None
     return values
+
+
+def parse_bits(text: str) -> list[int]:
+    """``--bits``: comma-separated code widths, each in [2, 8]."""
+    bits_list = [int(bits) for bits in _parse_list("bits", text)]
+    if any(not 2 <= bits <= 8 for bits in bits_list):
+        raise QuantInputError(f"--bits={text!r}: every value must be in [2, 8]")
+    return bits_list
 
 
 def _timer(device: torch.device):
@@ -164,14 +194,40 @@ def _goals(settings: dict) -> dict:
     return goals
 
 
+def _with_defaults(args: argparse.Namespace, study: str) -> argparse.Namespace:
+    """``args`` with the study's defaults filled in; a flag that belongs only to the other study is an error."""
+    from ._quant_error import ERROR_DEFAULTS
+
+    own, other = (THROUGHPUT_DEFAULTS, ERROR_DEFAULTS) if study == "throughput" else (ERROR_DEFAULTS, THROUGHPUT_DEFAULTS)
+    shared = {"bits", "bucket_size"}
+    stray = [f"--{name}" for name in other if name not in shared and getattr(args, name, None) is not None]
+    if stray:
+        raise QuantInputError(f"{', '.join(stray)}: not a flag of --study {study} (it belongs to the other study)")
+    filled = argparse.Namespace(**vars(args))
+    for name, default in own.items():
+        if getattr(filled, name, None) is None:
+            setattr(filled, name, default)
+    return filled
+
+
 def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark; returns the JSON report (and writes the PNG when asked)."""
-    bits_list = [int(bits) for bits in _parse_list("bits", args.bits)]
-    if any(not 2 <= bits <= 8 for bits in bits_list):
-        raise ValueError(f"--bits={args.bits!r}: every value must be in [2, 8]")
+    """Run the chosen study (``args.study``, default throughput); returns the JSON report and writes the PNG when asked."""
+    study = getattr(args, "study", "throughput")
+    if study not in STUDIES:
+        raise QuantInputError(f"--study={study!r}: must be one of {', '.join(STUDIES)}")
+    args = _with_defaults(args, study)
+    if study == "error":
+        from . import _quant_error
+
+        return _quant_error.run(args)
+    return _run_throughput(args)
+
+
+def _run_throughput(args: argparse.Namespace) -> dict:
+    bits_list = parse_bits(args.bits)
     for name in ("numel", "reference_numel", "repeats", "bucket_size"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+            raise QuantInputError(f"--{name}={getattr(args, name)}: must be >= 1")
     threads = _parse_list("threads", args.threads, allow_all=True)
     default_threads = torch.get_num_threads()
     settings: dict = {}

@@ -11,12 +11,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="run a benchmark and print/write its JSON")
     kinds = parser.add_subparsers(dest="bench_kind", required=True)
 
-    quant_parser = kinds.add_parser("quant", help="quantize+dequantize throughput per backend vs a memory copy")
+    quant_parser = kinds.add_parser(
+        "quant", help="quantize+dequantize throughput per backend vs a memory copy; --study error: round-trip error with/without rotation"
+    )
     quant_parser.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     from ..bench import quant as quant_bench
 
     quant_bench.add_arguments(quant_parser)
-    quant_parser.set_defaults(func=_run(quant_bench))
+    quant_parser.set_defaults(func=_run(quant_bench, quant_bench.QuantInputError))
 
     comm_parser = kinds.add_parser("comm", help="bytes and rounds on the wire per step: FSDP vs QSDP, AdamW vs 1-bit/0/1 Adam")
     comm_parser.add_argument("--json", dest="json_path", default=None, help="also write the report here")

@@ -229,7 +229,7 @@ def test_spec_layout_matches_payload_layout():
                         spec.raw_offset) == (layout.numel, layout.nbytes, layout.code_bytes, layout.num_buckets,
                                              layout.raw_bytes, layout.meta_offset, layout.raw_offset)  # fmt: skip
                 table = spec.table()
-                assert table.dtype == torch.int64 and table.numel() == 18 + 8 * len(segments)
+                assert table.dtype == torch.int64 and table.numel() == 20 + 8 * len(segments)
                 assert spec.table() is table  # built once
 
 

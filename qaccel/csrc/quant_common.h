@@ -71,9 +71,26 @@ QACCEL_HD uint32_t rng_key(uint64_t seed, uint32_t index_hi) {
   return static_cast<uint32_t>(seed) ^ lowbias32(static_cast<uint32_t>(seed >> 32) + index_hi);
 }
 
+// hash(seed, i) = lowbias32(lo32(i) ^ key(seed, i)): its top 24 bits give u, its bit 0 the rotation sign.
+QACCEL_HD uint32_t rng_hash(uint32_t key, uint32_t index_lo) { return lowbias32(index_lo ^ key); }
+
 // u(seed, i) in [0, 1): top 24 bits of the hash times 2**-24 (exact in fp32 and fp64).
-QACCEL_HD double rng_uniform(uint32_t key, uint32_t index_lo) {
-  return static_cast<double>(lowbias32(index_lo ^ key) >> 8) * 5.9604644775390625e-08;
+QACCEL_HD double hash_uniform(uint32_t hash) { return static_cast<double>(hash >> 8) * 5.9604644775390625e-08; }
+
+QACCEL_HD double rng_uniform(uint32_t key, uint32_t index_lo) { return hash_uniform(rng_hash(key, index_lo)); }
+
+// d_i of the Hadamard rotation (reference.py step 8): -1.0 when bit 0 of the hash is set, else +1.0.
+// Built from bits so no compiler turns `x * d` into a negation, which would flip a NaN's sign where
+// the reference's multiplication keeps it.
+QACCEL_HD double rotation_sign(uint32_t hash) {
+  const uint64_t bits = 0x3FF0000000000000ull | (static_cast<uint64_t>(hash & 1u) << 63);
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(bits));
+#else
+  double value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+#endif
 }
 
 // ---- directed rounding of the metadata (reference.round_down_to / round_up_to) -----------------

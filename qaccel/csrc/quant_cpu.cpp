@@ -6,6 +6,13 @@
 // the result does not depend on the number of threads. A bucket straddling two tiles has its
 // min/max computed by both (the same value), which costs at most 2 * bucket / tile extra reads;
 // buckets longer than kFusedMaxBucket get their grids from a separate pass instead.
+//
+// A rotated payload spec (reference.py steps 7-10) rotates each bucket into a per-thread scratch
+// buffer, then computes its grid and codes from there in the same pass; decoding decodes a bucket
+// into scratch, rotates it back and stores or adds it. Rotation blocks never straddle a bucket, so a
+// bucket of at most kFusedMaxBucket is one "chunk" (rotated whole by each tile touching it, and the
+// payload tiles hold whole buckets so that happens once); a longer bucket is cut into chunks of
+// rotation_max_block elements from its start, each a whole block, for its grid pass and its tiles.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -14,6 +21,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
@@ -28,13 +38,18 @@
 namespace {
 
 using qaccel::BucketGrid;
+using qaccel_cpu::CounterHashes;
+using qaccel_cpu::DecodedCodes;
+using qaccel_cpu::RotationMode;
 
 constexpr int64_t kTileNumel = 32768;       // 32 KiB of codes per tile: stays in L1/L2
 constexpr int64_t kFusedMaxBucket = 4096;   // larger buckets: grids from a separate pass
+constexpr int64_t kMaxRotationBlock = 1024;  // the longest rotation block the kernels take
 
 inline float load_f32(const float* x, int64_t i) { return x[i]; }
 inline float load_f32(const c10::BFloat16* x, int64_t i) { return static_cast<float>(x[i]); }
 inline float load_f32(const c10::Half* x, int64_t i) { return static_cast<float>(x[i]); }
+inline float load_f32(const DecodedCodes& x, int64_t i) { return x[i]; }
 
 // fp32 -> output dtype, rounding to nearest even as Tensor.copy_ does. torch's vectorized CPU
 // conversion writes NaN as 0xFFFF in bfloat16; do the same so even NaN bits match the reference.
@@ -61,29 +76,60 @@ void advise_huge_pages(void* data, int64_t bytes) {
 #endif
 }
 
-template <typename T>
-BucketGrid bucket_grid(const T* x, int64_t begin, int64_t end, int bits, bool meta_bf16) {
+// fp32 min/max (as ordered keys) and the non-finite flag of a bucket, gathered over one or more runs.
+struct Extremes {
   int32_t lo_key = INT32_MAX, hi_key = INT32_MIN;
   uint32_t bad = 0;
-  const T* xs = x + begin;
-  const int64_t n = end - begin;
-  for (int64_t k = 0; k < n; ++k) {
-    const float v = load_f32(xs, k);
-    const int32_t key = qaccel::ordered_key(v);
-    lo_key = key < lo_key ? key : lo_key;
-    hi_key = key > hi_key ? key : hi_key;
-    bad |= qaccel::is_nonfinite_bits(qaccel::float_bits(v));
+
+  template <typename T>
+  void add(const T* xs, int64_t n) {
+    int32_t lo = lo_key, hi = hi_key;
+    uint32_t nonfinite = bad;
+    for (int64_t k = 0; k < n; ++k) {
+      const float v = load_f32(xs, k);
+      const int32_t key = qaccel::ordered_key(v);
+      lo = key < lo ? key : lo;
+      hi = key > hi ? key : hi;
+      nonfinite |= qaccel::is_nonfinite_bits(qaccel::float_bits(v));
+    }
+    lo_key = lo;
+    hi_key = hi;
+    bad = nonfinite;
   }
-  return qaccel::make_grid(qaccel::key_to_float(lo_key), qaccel::key_to_float(hi_key), bad != 0, bits, meta_bf16);
+
+  BucketGrid grid(int bits, bool meta_bf16) const {
+    return qaccel::make_grid(qaccel::key_to_float(lo_key), qaccel::key_to_float(hi_key), bad != 0, bits, meta_bf16);
+  }
+};
+
+template <typename T>
+BucketGrid bucket_grid(const T* x, int64_t begin, int64_t end, int bits, bool meta_bf16) {
+  Extremes extremes;
+  extremes.add(x + begin, end - begin);
+  return extremes.grid(bits, meta_bf16);
 }
 
-// codes[k] for the n elements at xs, whose flat indices are first, first+1, ... (same hi32).
+// Calls f(i, run_end, key) for the runs of [begin, end) that share hi32(index), hence one RNG key.
+template <typename F>
+void for_each_key_run(uint64_t seed, int64_t begin, int64_t end, F&& f) {
+  for (int64_t i = begin; i < end;) {
+    const uint64_t index_hi = static_cast<uint64_t>(i) >> 32;
+    const int64_t run_end = std::min<int64_t>(end, static_cast<int64_t>((index_hi + 1) << 32));
+    f(i, run_end, qaccel::rng_key(seed, static_cast<uint32_t>(index_hi)));
+    i = run_end;
+  }
+}
+
+// codes[k] for the n elements at xs, whose flat indices are first, first+1, ... (same hi32). With
+// `hashes`, hash k is hashes[k] (key and first unused): a rotated encode computed them for the signs.
 template <typename T>
 void encode_run(const T* xs, int64_t n, double lo64, double inv, bool nearest, uint32_t key, uint32_t first,
-                int levels, uint8_t* __restrict codes) {
+                const uint32_t* hashes, int levels, uint8_t* __restrict codes) {
   int64_t k = 0;
 #if defined(QACCEL_HAVE_AVX512)
-  k = qaccel_avx512::encode_run(xs, n, lo64, inv, nearest, key, first, levels, codes);
+  k = hashes != nullptr
+          ? qaccel_avx512::encode_run<true>(xs, n, lo64, inv, nearest, key, first, hashes, levels, codes)
+          : qaccel_avx512::encode_run<false>(xs, n, lo64, inv, nearest, key, first, hashes, levels, codes);
 #endif
   const double levels64 = static_cast<double>(levels);
   if (nearest) {
@@ -91,7 +137,8 @@ void encode_run(const T* xs, int64_t n, double lo64, double inv, bool nearest, u
     return;
   }
   for (; k < n; ++k) {
-    const double u = qaccel::rng_uniform(key, first + static_cast<uint32_t>(k));
+    const uint32_t hash = hashes != nullptr ? hashes[k] : qaccel::rng_hash(key, first + static_cast<uint32_t>(k));
+    const double u = qaccel::hash_uniform(hash);
     codes[k] = static_cast<uint8_t>(qaccel::encode_value(load_f32(xs, k), lo64, inv, u, levels64));
   }
 }
@@ -100,13 +147,114 @@ void encode_run(const T* xs, int64_t n, double lo64, double inv, bool nearest, u
 template <typename T>
 void encode_segment(const T* x, int64_t begin, int64_t end, const BucketGrid& grid, bool nearest, uint64_t seed,
                     int levels, uint8_t* codes) {
-  for (int64_t i = begin; i < end;) {
-    const uint64_t index_hi = static_cast<uint64_t>(i) >> 32;
-    const int64_t run_end = std::min<int64_t>(end, static_cast<int64_t>((index_hi + 1) << 32));
-    encode_run(x + i, run_end - i, grid.lo64, grid.inv, nearest, qaccel::rng_key(seed, static_cast<uint32_t>(index_hi)),
-               static_cast<uint32_t>(i), levels, codes + (i - begin));
-    i = run_end;
+  for_each_key_run(seed, begin, end, [&](int64_t i, int64_t run_end, uint32_t key) {
+    encode_run(x + i, run_end - i, grid.lo64, grid.inv, nearest, key, static_cast<uint32_t>(i), nullptr, levels,
+               codes + (i - begin));
+  });
+}
+
+// ---- Hadamard rotation (reference.hadamard_rotate; steps 7-10) --------------------------------------
+
+// Per-thread buffers of the rotated codecs; a chunk (see the top of the file) has at most
+// kFusedMaxBucket elements.
+struct RotationScratch {
+  alignas(64) uint32_t hashes[kFusedMaxBucket];         // hash(seed, i) of the chunk: signs and u
+  alignas(64) float values[kFusedMaxBucket];            // rotated (encode) or decoded (decode) values
+  alignas(64) double block[kMaxRotationBlock];          // a block's doubles between butterfly passes
+  alignas(64) uint8_t codes[kFusedMaxBucket + 16];      // unpacked codes of a chunk (decode)
+};
+
+std::unique_ptr<RotationScratch> rotation_scratch(bool rotation) {
+  return rotation ? std::make_unique<RotationScratch>() : nullptr;
+}
+
+// out[k] = hash(seed, first + k) for k < n.
+void fill_hashes(uint64_t seed, int64_t first, int64_t n, uint32_t* out) {
+  for_each_key_run(seed, first, first + n, [&](int64_t i, int64_t run_end, uint32_t key) {
+    uint32_t* dst = out + (i - first);
+    const int64_t count = run_end - i;
+    int64_t k = 0;
+#if defined(QACCEL_HAVE_AVX512)
+    k = qaccel_avx512::fill_hashes(key, static_cast<uint32_t>(i), count, dst);
+#endif
+    for (; k < count; ++k) dst[k] = qaccel::rng_hash(key, static_cast<uint32_t>(i) + static_cast<uint32_t>(k));
+  });
+}
+
+// One block of `length` (a power of two) elements; `w` holds `length` doubles; `out` may be `in`.
+// Forward: w = double(x) * d, butterflies, fp32(w * c). Inverse: w = double(y), butterflies,
+// x_hat = fp32((w * c) * d), stored or added (out + x_hat). Operations and operand order are the
+// reference's.
+template <RotationMode kMode, typename Source, typename Hashes>
+void rotate_block_scalar(Source in, int64_t length, Hashes hashes, double c, float* out, double* w) {
+  constexpr bool kForward = kMode == RotationMode::kForward;
+  for (int64_t k = 0; k < length; ++k) {
+    const double value = static_cast<double>(load_f32(in, k));
+    w[k] = kForward ? value * qaccel::rotation_sign(hashes[k]) : value;
   }
+  for (int64_t h = 1; h < length; h *= 2) {
+    for (int64_t j = 0; j < length; ++j) {
+      if (j & h) continue;
+      const double a = w[j], b = w[j + h];
+      w[j] = a + b;
+      w[j + h] = a - b;
+    }
+  }
+  for (int64_t k = 0; k < length; ++k) {
+    double value = w[k] * c;
+    if (!kForward) value = value * qaccel::rotation_sign(hashes[k]);
+    out[k] = kMode == RotationMode::kInverseAdd ? out[k] + static_cast<float>(value) : static_cast<float>(value);
+  }
+}
+
+// Rotates `length` elements starting at a rotation chunk's start: blocks of the largest power of two
+// not above what is left, capped at max_block (reference rotation_blocks). `in` is a source pointer
+// or DecodedCodes, `hashes` an array or CounterHashes.
+template <RotationMode kMode, typename Source, typename Hashes>
+void rotate_chunk(Source in, int64_t length, Hashes hashes, int64_t max_block, float* out, double* w) {
+  for (int64_t o = 0; o < length;) {
+    int64_t block = max_block;
+    while (block > length - o) block >>= 1;
+    const double c = 1.0 / std::sqrt(static_cast<double>(block));
+    bool done = false;
+#if defined(QACCEL_HAVE_AVX512)
+    done = qaccel_avx512::rotate_block<kMode>(in + o, block, hashes + o, c, out + o, w);
+#endif
+    if (!done) rotate_block_scalar<kMode>(in + o, block, hashes + o, c, out + o, w);
+    o += block;
+  }
+}
+
+// Rotation chunks of bucket [bs, be) that overlap [s0, s1): f(c0, c1) for chunks of `chunk`
+// elements from bs (the last one shorter), each a whole number of rotation blocks.
+template <typename F>
+void for_each_rotation_chunk(int64_t bs, int64_t be, int64_t s0, int64_t s1, int64_t chunk, F&& f) {
+  for (int64_t c0 = bs + (s0 - bs) / chunk * chunk; c0 < s1; c0 += chunk) f(c0, std::min(be, c0 + chunk));
+}
+
+// The chunk length of a bucket: the whole bucket when fused, else max_block.
+inline int64_t rotation_chunk(int64_t bucket, int64_t max_block) {
+  return bucket <= kFusedMaxBucket ? bucket : max_block;
+}
+
+// Rotated values r of elements [c0, c1) of x (one chunk) into scratch.values, their hashes in
+// scratch.hashes.
+template <typename T>
+void rotate_forward(const T* x, uint64_t seed, int64_t c0, int64_t c1, int64_t max_block, RotationScratch& scratch) {
+  fill_hashes(seed, c0, c1 - c0, scratch.hashes);
+  rotate_chunk<RotationMode::kForward>(x + c0, c1 - c0, scratch.hashes, max_block, scratch.values, scratch.block);
+}
+
+// The grid of bucket [bs, be) of a rotated segment, from its rotated values chunk by chunk.
+template <typename T>
+BucketGrid rotated_bucket_grid(const T* x, int64_t bs, int64_t be, uint64_t seed, int64_t max_block, int bits,
+                               bool meta_bf16, RotationScratch& scratch) {
+  Extremes extremes;
+  for_each_rotation_chunk(bs, be, bs, be, max_block, [&](int64_t c0, int64_t c1) {
+    rotate_forward(x, seed, c0, c1, max_block, scratch);
+    extremes.add(scratch.values, c1 - c0);
+  });
+  return extremes.grid(bits, meta_bf16);
 }
 
 inline void store_grid(const BucketGrid& grid, bool meta_bf16, void* lo, void* scale, int64_t bucket) {
@@ -184,15 +332,33 @@ const uint8_t* unpack_tile(int bits, const uint8_t* packed, int64_t count, uint8
 // Encode elements [e0, e1) of a tensor of `numel` elements (e0 a multiple of 8, e1 - e0 <= kTileNumel).
 // `grids` holds every bucket's grid (buckets longer than kFusedMaxBucket) or is null:
 // then the tile computes the grids it touches and stores the metadata of the buckets starting in it.
-// `buffer` has room for kTileNumel codes (unused for bits == 8).
+// `buffer` has room for kTileNumel codes (unused for bits == 8). With `rotation` (scratch of a rotated
+// spec), each bucket is Hadamard-rotated chunk by chunk and quantized from the rotated values.
 template <typename T>
 void encode_tile(const T* x, int64_t numel, int64_t e0, int64_t e1, int bits, int64_t bucket, bool nearest,
                  uint64_t seed, bool meta_bf16, const BucketGrid* grids, void* lo, void* scale, uint8_t* packed,
-                 uint8_t* buffer) {
+                 uint8_t* buffer, RotationScratch* rotation = nullptr, int64_t max_block = 0) {
   const int levels = (1 << bits) - 1;
   uint8_t* codes = bits == 8 ? packed + e0 : buffer;
   for (int64_t b = e0 / bucket; b * bucket < e1; ++b) {
     const int64_t bs = b * bucket, be = std::min(numel, bs + bucket);
+    const int64_t s0 = std::max(bs, e0), s1 = std::min(be, e1);
+    if (rotation != nullptr) {
+      // Chunk by chunk through the scratch. A fused bucket is one chunk, whose grid comes from its
+      // rotated values right there; a long bucket's grid came from the separate pass.
+      BucketGrid grid = grids == nullptr ? BucketGrid{} : grids[b];
+      for_each_rotation_chunk(bs, be, s0, s1, rotation_chunk(bucket, max_block), [&](int64_t c0, int64_t c1) {
+        rotate_forward(x, seed, c0, c1, max_block, *rotation);
+        if (grids == nullptr) {
+          grid = bucket_grid(rotation->values, 0, c1 - c0, bits, meta_bf16);
+          if (bs >= e0) store_grid(grid, meta_bf16, lo, scale, b);
+        }
+        const int64_t o0 = std::max(c0, s0), o1 = std::min(c1, s1);
+        encode_run(rotation->values + (o0 - c0), o1 - o0, grid.lo64, grid.inv, nearest, 0, 0,
+                   rotation->hashes + (o0 - c0), levels, codes + (o0 - e0));
+      });
+      continue;
+    }
     BucketGrid grid;
     if (grids == nullptr) {
       grid = bucket_grid(x, bs, be, bits, meta_bf16);
@@ -200,7 +366,6 @@ void encode_tile(const T* x, int64_t numel, int64_t e0, int64_t e1, int bits, in
     } else {
       grid = grids[b];
     }
-    const int64_t s0 = std::max(bs, e0), s1 = std::min(be, e1);
     encode_segment(x, s0, s1, grid, nearest, seed, levels, codes + (s0 - e0));
   }
   if (bits == 8) {
@@ -256,6 +421,62 @@ void decode_tile(const uint8_t* packed, const Meta* lo, const Meta* scale, int b
     } else {
       for (int64_t i = 0; i < s1 - s0; ++i) store_out(out, i, qaccel::decode_value(lo64, scale64, seg[i]));
     }
+  }
+}
+
+// Decoded values y of elements [c0, c1) of one bucket (a rotation chunk), rotated back into `out`
+// (scratch.values, or an fp32 destination): x_hat = fp32((w * c) * d) with w = double(y) after the
+// butterflies, stored (kInverse) or added (kInverseAdd).
+template <RotationMode kMode>
+void decode_rotated_chunk(const uint8_t* packed, int bits, float lo, float scale, uint64_t seed, int64_t c0,
+                          int64_t c1, int64_t max_block, RotationScratch& scratch, float* out) {
+  const int64_t g0 = c0 / 8 * 8, n = c1 - c0;
+  const uint8_t* codes = unpack_tile(bits, packed + g0 / 8 * bits, c1 - g0, scratch.codes) + (c0 - g0);
+  const DecodedCodes decoded{codes, lo, scale};
+  const uint64_t index_hi = static_cast<uint64_t>(c0) >> 32;
+  if (static_cast<uint64_t>(c1 - 1) >> 32 == index_hi) {  // one RNG key: hashes computed in the kernel
+    const CounterHashes hashes{qaccel::rng_key(seed, static_cast<uint32_t>(index_hi)), static_cast<uint32_t>(c0)};
+    rotate_chunk<kMode>(decoded, n, hashes, max_block, out, scratch.block);
+  } else {
+    fill_hashes(seed, c0, n, scratch.hashes);
+    rotate_chunk<kMode>(decoded, n, scratch.hashes, max_block, out, scratch.block);
+  }
+}
+
+// decode_tile of a rotated segment decoded with `seed`: each bucket chunk by chunk through the scratch.
+template <typename Meta, typename Out>
+void decode_tile_rotated(const uint8_t* packed, const Meta* lo, const Meta* scale, int bits, int64_t bucket,
+                         int64_t numel, int64_t e0, int64_t e1, uint64_t seed, int64_t max_block, Out* out_tile,
+                         bool accumulate, RotationScratch& scratch) {
+  for (int64_t b = e0 / bucket; b * bucket < e1; ++b) {
+    const int64_t bs = b * bucket, be = std::min(numel, bs + bucket);
+    const int64_t s0 = std::max(bs, e0), s1 = std::min(be, e1);
+    const float lo32 = static_cast<float>(lo[b]), scale32 = static_cast<float>(scale[b]);
+    for_each_rotation_chunk(bs, be, s0, s1, rotation_chunk(bucket, max_block), [&](int64_t c0, int64_t c1) {
+      const int64_t o0 = std::max(c0, s0), o1 = std::min(c1, s1);
+      if constexpr (std::is_same_v<Out, float>) {
+        if (o0 == c0 && o1 == c1) {  // the whole chunk is in the tile: rotate straight into the output
+          float* dst = out_tile + (c0 - e0);
+          if (accumulate) {
+            decode_rotated_chunk<RotationMode::kInverseAdd>(packed, bits, lo32, scale32, seed, c0, c1, max_block,
+                                                            scratch, dst);
+          } else {
+            decode_rotated_chunk<RotationMode::kInverse>(packed, bits, lo32, scale32, seed, c0, c1, max_block,
+                                                         scratch, dst);
+          }
+          return;
+        }
+      }
+      decode_rotated_chunk<RotationMode::kInverse>(packed, bits, lo32, scale32, seed, c0, c1, max_block, scratch,
+                                                   scratch.values);
+      const float* decoded = scratch.values + (o0 - c0);
+      Out* out = out_tile + (o0 - e0);
+      if (accumulate) {
+        for (int64_t i = 0; i < o1 - o0; ++i) store_out(out, i, static_cast<float>(out[i]) + decoded[i]);
+      } else {
+        for (int64_t i = 0; i < o1 - o0; ++i) store_out(out, i, decoded[i]);
+      }
+    });
   }
 }
 
@@ -428,13 +649,19 @@ struct Tile {
   int64_t slot, seg, e0, e1;
 };
 
-// Tiles of every segment for `slots` slots (the sum walks elements once: slots == 1 there).
+// Tiles of every segment for `slots` slots (the sum walks elements once: slots == 1 there). A rotated
+// spec with fused buckets cuts tiles at multiples of lcm(bucket, 8), so each bucket is rotated once.
 std::vector<Tile> payload_tiles(const pl::Params& p, const int64_t* rows, int64_t slots) {
+  int64_t tile_numel = kTileNumel;
+  if (p.rotation && p.bucket <= kFusedMaxBucket) {
+    const int64_t cell = std::lcm<int64_t>(p.bucket, 8);  // <= 8 * kFusedMaxBucket == kTileNumel
+    tile_numel = kTileNumel / cell * cell;
+  }
   std::vector<Tile> tiles;
   for (int64_t s = 0; s < slots; ++s) {
     for (int64_t i = 0; i < p.num_segments; ++i) {
       const int64_t n = rows[i * pl::kRowLen + pl::kSegNumel];
-      for (int64_t e0 = 0; e0 < n; e0 += kTileNumel) tiles.push_back({s, i, e0, std::min(n, e0 + kTileNumel)});
+      for (int64_t e0 = 0; e0 < n; e0 += tile_numel) tiles.push_back({s, i, e0, std::min(n, e0 + tile_numel)});
     }
   }
   return tiles;
@@ -501,13 +728,18 @@ void encode_payloads_impl(const T* src, const pl::Params& p, const int64_t* rows
     }
     grids.resize(slots * p.num_buckets);
     at::parallel_for(0, slots * p.num_buckets, 1, [&](int64_t k0, int64_t k1) {
+      const auto rotation = rotation_scratch(p.rotation);
       for (int64_t k = k0; k < k1; ++k) {
         const int64_t s = k / p.num_buckets, global = k % p.num_buckets;
-        const int64_t* row = rows + bucket_seg[global] * pl::kRowLen;
+        const int64_t seg = bucket_seg[global];
+        const int64_t* row = rows + seg * pl::kRowLen;
         const int64_t b = global - row[pl::kBucketOffset], n = row[pl::kSegNumel];
+        const int64_t bs = b * p.bucket, be = std::min(n, bs + p.bucket);
         const T* x = src + offsets[s] + row[pl::kElemOffset];
         uint8_t* meta = out + s * p.nbytes + p.meta_offset;
-        grids[k] = bucket_grid(x, b * p.bucket, std::min(n, (b + 1) * p.bucket), p.bits, p.meta_bf16);
+        grids[k] = rotation ? rotated_bucket_grid(x, bs, be, seeds[s * p.num_segments + seg], p.rotation_max_block,
+                                                  p.bits, p.meta_bf16, *rotation)
+                            : bucket_grid(x, bs, be, p.bits, p.meta_bf16);
         store_grid(grids[k], p.meta_bf16, meta, meta + meta_size * p.num_buckets, global);
       }
     });
@@ -515,6 +747,7 @@ void encode_payloads_impl(const T* src, const pl::Params& p, const int64_t* rows
   const std::vector<Tile> tiles = payload_tiles(p, rows, slots);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> buffer(p.bits == 8 ? 0 : kTileNumel);
+    const auto rotation = rotation_scratch(p.rotation);
     for (int64_t t = t0; t < t1; ++t) {
       const Tile& tile = tiles[t];
       const int64_t* row = rows + tile.seg * pl::kRowLen;
@@ -530,7 +763,7 @@ void encode_payloads_impl(const T* src, const pl::Params& p, const int64_t* rows
       const BucketGrid* seg_grids = fused ? nullptr : grids.data() + tile.slot * p.num_buckets + row[pl::kBucketOffset];
       encode_tile(x, row[pl::kSegNumel], tile.e0, tile.e1, p.bits, p.bucket, p.nearest,
                   seeds[tile.slot * p.num_segments + tile.seg], p.meta_bf16, seg_grids, lo, scale,
-                  blob + row[pl::kCodeOffset], buffer.data());
+                  blob + row[pl::kCodeOffset], buffer.data(), rotation.get(), p.rotation_max_block);
     }
   });
   for (int64_t s = 0; s < slots; ++s) {  // padding bytes, so payloads are deterministic byte for byte
@@ -540,13 +773,31 @@ void encode_payloads_impl(const T* src, const pl::Params& p, const int64_t* rows
   }
 }
 
+// Decode quantized tile [e0, e1) of segment `row` of one payload into out_tile (overwrite or fp32 add),
+// rotating back with `seed` when the spec is rotated.
+template <typename Meta, typename Out>
+void decode_payload_tile(const uint8_t* blob, const pl::Params& p, const int64_t* row, int64_t e0, int64_t e1,
+                         uint64_t seed, Out* out_tile, bool accumulate, uint8_t* buffer, RotationScratch* rotation) {
+  const Meta* lo = reinterpret_cast<const Meta*>(blob + p.meta_offset) + row[pl::kBucketOffset];
+  const Meta* scale = lo + p.num_buckets;
+  const uint8_t* packed = blob + row[pl::kCodeOffset];
+  if (rotation != nullptr) {
+    decode_tile_rotated(packed, lo, scale, p.bits, p.bucket, row[pl::kSegNumel], e0, e1, seed, p.rotation_max_block,
+                        out_tile, accumulate, *rotation);
+  } else {
+    decode_tile(packed, lo, scale, p.bits, p.bucket, row[pl::kSegNumel], e0, e1, out_tile, accumulate, buffer);
+  }
+}
+
+// `seeds` ([slots, segments]) is read only when the spec is rotated.
 template <typename Meta, typename Out>
 void decode_payloads_impl(const uint8_t* blob_all, const pl::Params& p, const int64_t* rows, const int64_t* offsets,
-                          int64_t slots, Out* out) {
+                          const uint64_t* seeds, int64_t slots, Out* out) {
   const std::vector<Tile> tiles = payload_tiles(p, rows, slots);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> buffer(p.bits == 8 ? 0 : kTileNumel);
     std::vector<float> scratch(kTileNumel);
+    const auto rotation = rotation_scratch(p.rotation);
     for (int64_t t = t0; t < t1; ++t) {
       const Tile& tile = tiles[t];
       const int64_t* row = rows + tile.seg * pl::kRowLen;
@@ -557,21 +808,21 @@ void decode_payloads_impl(const uint8_t* blob_all, const pl::Params& p, const in
                  scratch.data());
         continue;
       }
-      const Meta* lo = reinterpret_cast<const Meta*>(blob + p.meta_offset) + row[pl::kBucketOffset];
-      const Meta* scale = lo + p.num_buckets;
-      decode_tile(blob + row[pl::kCodeOffset], lo, scale, p.bits, p.bucket, row[pl::kSegNumel], tile.e0, tile.e1, dst,
-                  false, buffer.data());
+      const uint64_t seed = p.rotation ? seeds[tile.slot * p.num_segments + tile.seg] : 0;
+      decode_payload_tile<Meta>(blob, p, row, tile.e0, tile.e1, seed, dst, false, buffer.data(), rotation.get());
     }
   });
 }
 
+// `seeds` ([slots, segments]) is read only when the spec is rotated.
 template <typename Meta, typename Out>
-void sum_payloads_impl(const uint8_t* blob_all, const pl::Params& p, const int64_t* rows, int64_t slots,
-                       const void* base, int base_dtype, int64_t base_itemsize, Out* out) {
+void sum_payloads_impl(const uint8_t* blob_all, const pl::Params& p, const int64_t* rows, const uint64_t* seeds,
+                       int64_t slots, const void* base, int base_dtype, int64_t base_itemsize, Out* out) {
   const std::vector<Tile> tiles = payload_tiles(p, rows, 1);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> buffer(p.bits == 8 ? 0 : kTileNumel);
     std::vector<float> acc(kTileNumel);
+    const auto rotation = rotation_scratch(p.rotation);
     for (int64_t t = t0; t < t1; ++t) {
       const Tile& tile = tiles[t];
       const int64_t* row = rows + tile.seg * pl::kRowLen;
@@ -583,10 +834,9 @@ void sum_payloads_impl(const uint8_t* blob_all, const pl::Params& p, const int64
           add_tile_f32(blob + row[pl::kRawByteOffset] + tile.e0 * p.elem_itemsize, p.elem_dtype, n, acc.data());
           continue;
         }
-        const Meta* lo = reinterpret_cast<const Meta*>(blob + p.meta_offset) + row[pl::kBucketOffset];
-        const Meta* scale = lo + p.num_buckets;
-        decode_tile(blob + row[pl::kCodeOffset], lo, scale, p.bits, p.bucket, row[pl::kSegNumel], tile.e0, tile.e1,
-                    acc.data(), true, buffer.data());
+        const uint64_t seed = p.rotation ? seeds[s * p.num_segments + tile.seg] : 0;
+        decode_payload_tile<Meta>(blob, p, row, tile.e0, tile.e1, seed, acc.data(), true, buffer.data(),
+                                  rotation.get());
       }
       store_tile(acc.data(), n, out + first);
     }
@@ -602,7 +852,22 @@ pl::Params checked_params(const torch::Tensor& table) {
   TORCH_CHECK(table.numel() == pl::kHeaderLen + p.num_segments * pl::kRowLen, "table: ", table.numel(),
               " entries do not match its ", p.num_segments, " segments");
   qaccel::check_codec_args(p.bits, p.bucket);
+  const int64_t max_block = p.rotation_max_block;
+  TORCH_CHECK(!p.rotation || (max_block >= 1 && max_block <= kMaxRotationBlock && (max_block & (max_block - 1)) == 0),
+              "table: rotation_max_block=", max_block, ": must be a power of two <= ", kMaxRotationBlock);
   return p;
+}
+
+// The decode seed table ([slots, segments] int64, the encode's) as uint64, or null when the spec is
+// not rotated (then `seeds` is ignored: an empty tensor by convention).
+const uint64_t* checked_decode_seeds(const torch::Tensor& seeds, const pl::Params& p, int64_t slots) {
+  if (!p.rotation) return nullptr;
+  check_cpu_contiguous(seeds, "seeds");
+  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 2 && seeds.size(0) == slots &&
+                  seeds.size(1) == p.num_segments,
+              "seeds: a rotated spec needs int64 seeds [", slots, ", ", p.num_segments, "], got ", seeds.scalar_type(),
+              " ", seeds.sizes());
+  return reinterpret_cast<const uint64_t*>(seeds.data_ptr<int64_t>());
 }
 
 void check_slot_offsets(const torch::Tensor& offsets, int64_t slots, int64_t numel, int64_t limit, const char* name) {
@@ -644,15 +909,16 @@ torch::Tensor encode_payloads(torch::Tensor src, torch::Tensor table, torch::Ten
 
 template <typename Meta>
 void decode_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* o,
-                          int64_t slots, torch::Tensor& out) {
+                          const uint64_t* sd, int64_t slots, torch::Tensor& out) {
   switch (out.scalar_type()) {
-    case at::kFloat: decode_payloads_impl<Meta>(blob, p, rows, o, slots, out.data_ptr<float>()); break;
-    case at::kBFloat16: decode_payloads_impl<Meta>(blob, p, rows, o, slots, out.data_ptr<c10::BFloat16>()); break;
-    default: decode_payloads_impl<Meta>(blob, p, rows, o, slots, out.data_ptr<c10::Half>());
+    case at::kFloat: decode_payloads_impl<Meta>(blob, p, rows, o, sd, slots, out.data_ptr<float>()); break;
+    case at::kBFloat16: decode_payloads_impl<Meta>(blob, p, rows, o, sd, slots, out.data_ptr<c10::BFloat16>()); break;
+    default: decode_payloads_impl<Meta>(blob, p, rows, o, sd, slots, out.data_ptr<c10::Half>());
   }
 }
 
-torch::Tensor decode_payloads(torch::Tensor blob, torch::Tensor table, torch::Tensor out, torch::Tensor offsets) {
+torch::Tensor decode_payloads(torch::Tensor blob, torch::Tensor table, torch::Tensor out, torch::Tensor offsets,
+                              torch::Tensor seeds) {
   check_cpu_contiguous(blob, "blob");
   check_cpu_contiguous(out, "out");
   check_float_dtype(out, "out");
@@ -661,32 +927,36 @@ torch::Tensor decode_payloads(torch::Tensor blob, torch::Tensor table, torch::Te
   check_slot_offsets(offsets, slots, p.numel, out.numel(), "out_offsets");
   TORCH_CHECK(blob.scalar_type() == at::kByte && blob.numel() == slots * p.nbytes, "blob: expected ",
               slots * p.nbytes, " uint8 bytes");
+  const uint64_t* sd = checked_decode_seeds(seeds, p, slots);
   if (slots == 0 || p.numel == 0) return out;
   const int64_t* rows = table.data_ptr<int64_t>() + pl::kHeaderLen;
   const uint8_t* src = blob.data_ptr<uint8_t>();
   const int64_t* o = offsets.data_ptr<int64_t>();
   if (p.meta_bf16) {
-    decode_payloads_meta<c10::BFloat16>(src, p, rows, o, slots, out);
+    decode_payloads_meta<c10::BFloat16>(src, p, rows, o, sd, slots, out);
   } else {
-    decode_payloads_meta<float>(src, p, rows, o, slots, out);
+    decode_payloads_meta<float>(src, p, rows, o, sd, slots, out);
   }
   return out;
 }
 
 template <typename Meta>
-void sum_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, int64_t slots,
-                       const torch::Tensor& base, torch::Tensor& out) {
+void sum_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const uint64_t* sd,
+                       int64_t slots, const torch::Tensor& base, torch::Tensor& out) {
   const void* b = base.data_ptr();
   const int bd = dtype_code(base.scalar_type());
   const int64_t bs = base.element_size();
   switch (out.scalar_type()) {
-    case at::kFloat: sum_payloads_impl<Meta>(blob, p, rows, slots, b, bd, bs, out.data_ptr<float>()); break;
-    case at::kBFloat16: sum_payloads_impl<Meta>(blob, p, rows, slots, b, bd, bs, out.data_ptr<c10::BFloat16>()); break;
-    default: sum_payloads_impl<Meta>(blob, p, rows, slots, b, bd, bs, out.data_ptr<c10::Half>());
+    case at::kFloat: sum_payloads_impl<Meta>(blob, p, rows, sd, slots, b, bd, bs, out.data_ptr<float>()); break;
+    case at::kBFloat16:
+      sum_payloads_impl<Meta>(blob, p, rows, sd, slots, b, bd, bs, out.data_ptr<c10::BFloat16>());
+      break;
+    default: sum_payloads_impl<Meta>(blob, p, rows, sd, slots, b, bd, bs, out.data_ptr<c10::Half>());
   }
 }
 
-torch::Tensor sum_payloads(torch::Tensor blob, torch::Tensor table, torch::Tensor base, torch::Tensor out) {
+torch::Tensor sum_payloads(torch::Tensor blob, torch::Tensor table, torch::Tensor base, torch::Tensor out,
+                           torch::Tensor seeds) {
   check_cpu_contiguous(blob, "blob");
   check_cpu_contiguous(base, "base");
   check_cpu_contiguous(out, "out");
@@ -697,12 +967,13 @@ torch::Tensor sum_payloads(torch::Tensor blob, torch::Tensor table, torch::Tenso
   TORCH_CHECK(blob.scalar_type() == at::kByte && (p.nbytes == 0 ? blob.numel() == 0 : blob.numel() % p.nbytes == 0),
               "blob: expected a whole number of ", p.nbytes, "-byte payloads");
   const int64_t slots = p.nbytes == 0 ? 0 : blob.numel() / p.nbytes;
+  const uint64_t* sd = checked_decode_seeds(seeds, p, slots);
   if (p.numel == 0) return out;
   const int64_t* rows = table.data_ptr<int64_t>() + pl::kHeaderLen;
   if (p.meta_bf16) {
-    sum_payloads_meta<c10::BFloat16>(blob.data_ptr<uint8_t>(), p, rows, slots, base, out);
+    sum_payloads_meta<c10::BFloat16>(blob.data_ptr<uint8_t>(), p, rows, sd, slots, base, out);
   } else {
-    sum_payloads_meta<float>(blob.data_ptr<uint8_t>(), p, rows, slots, base, out);
+    sum_payloads_meta<float>(blob.data_ptr<uint8_t>(), p, rows, sd, slots, base, out);
   }
   return out;
 }

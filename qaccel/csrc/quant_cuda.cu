@@ -11,7 +11,8 @@
 // Other buckets: a warp-per-bucket grid pass into a double workspace, then one thread per group.
 // Dequantize: one thread per group of 8 codes, 16-byte stores of the decoded values.
 // Fused payloads (encode_payloads, decode_payloads, sum_payloads): one launch per call over every
-// slot and segment, driven by the layout table of quant_payload.h (see the section's comment).
+// slot and segment, driven by the layout table of quant_payload.h (see the section's comment); a
+// rotated table (Hadamard rotation per bucket) takes separate kernels (see theirs).
 #include "quant_common.h"
 #include "quant_cuda.h"
 #include "quant_cuda_device.cuh"
@@ -384,6 +385,45 @@ __device__ __forceinline__ void store_packed_any(uint8_t* dst, uint64_t word, in
   }
 }
 
+// One encode cell: its slot's payload, its segment's table row and elements in src, the cell's
+// index in the segment and the segment's seed.
+template <typename Tag>
+struct EncodeCell {
+  uint8_t* blob;
+  const int64_t* row;
+  const typename Tag::T* x;
+  int64_t n, k;
+  uint64_t seed;
+};
+
+// Warp-uniform start of encode work item `item` (slot, cell): zeroes the slot's padding bytes (its
+// cell 0, lane 0) so payloads are deterministic byte for byte, fills `c`, and copies a raw cell's
+// element bits. Returns true for a cell of a quantized segment, false when the cell is done (raw).
+template <typename Tag>
+__device__ __forceinline__ bool start_encode_cell(const typename Tag::T* __restrict__ src, const pl::Params& p,
+                                                  const int64_t* __restrict__ rows,
+                                                  const int64_t* __restrict__ slot_info, uint8_t* __restrict__ out,
+                                                  int64_t item, int lane, EncodeCell<Tag>& c) {
+  const int64_t slot = item / p.cells_per_slot, cell = item - slot * p.cells_per_slot;
+  c.blob = out + slot * p.nbytes;
+  const int64_t* info = slot_info + slot * (1 + p.num_segments);
+  if (cell == 0 && lane == 0) {
+    for (int64_t i = p.code_bytes; i < p.meta_offset; ++i) c.blob[i] = 0;
+    for (int64_t i = p.raw_offset + p.raw_bytes; i < p.nbytes; ++i) c.blob[i] = 0;
+  }
+  const int64_t seg = find_segment(rows, p.num_segments, pl::kCellOffset, cell);
+  c.row = rows + seg * pl::kRowLen;
+  c.n = c.row[pl::kSegNumel];
+  c.k = cell - c.row[pl::kCellOffset];
+  c.x = src + info[0] + c.row[pl::kElemOffset];
+  c.seed = static_cast<uint64_t>(info[1 + seg]);
+  if (c.row[pl::kQuantized]) return true;
+  const int64_t begin = c.k * p.raw_cell_numel, end = min(c.n, begin + p.raw_cell_numel);
+  auto* dst = reinterpret_cast<typename Tag::T*>(c.blob + c.row[pl::kRawByteOffset]);
+  for (int64_t e = begin + lane; e < end; e += 32) dst[e] = c.x[e];
+  return false;
+}
+
 template <typename Tag>
 __global__ void __launch_bounds__(kThreads) encode_payloads_kernel(const typename Tag::T* __restrict__ src,
                                                                    pl::Params p, const int64_t* __restrict__ rows,
@@ -396,24 +436,13 @@ __global__ void __launch_bounds__(kThreads) encode_payloads_kernel(const typenam
   const double levels = static_cast<double>((1 << p.bits) - 1);
   const int64_t meta_size = p.meta_bf16 ? 2 : 4;
   for (int64_t w = first_warp; w < total; w += warps) {  // warp-uniform: every lane takes the same path
-    const int64_t slot = w / p.cells_per_slot, cell = w - slot * p.cells_per_slot;
-    uint8_t* blob = out + slot * p.nbytes;
-    const int64_t* info = slot_info + slot * (1 + p.num_segments);
-    if (cell == 0 && lane == 0) {  // padding bytes, so payloads are deterministic byte for byte
-      for (int64_t i = p.code_bytes; i < p.meta_offset; ++i) blob[i] = 0;
-      for (int64_t i = p.raw_offset + p.raw_bytes; i < p.nbytes; ++i) blob[i] = 0;
-    }
-    const int64_t seg = find_segment(rows, p.num_segments, pl::kCellOffset, cell);
-    const int64_t* row = rows + seg * pl::kRowLen;
-    const int64_t n = row[pl::kSegNumel], k = cell - row[pl::kCellOffset];
-    const typename Tag::T* x = src + info[0] + row[pl::kElemOffset];
-    if (!row[pl::kQuantized]) {  // raw: copy the element bits
-      const int64_t begin = k * p.raw_cell_numel, end = min(n, begin + p.raw_cell_numel);
-      auto* dst = reinterpret_cast<typename Tag::T*>(blob + row[pl::kRawByteOffset]);
-      for (int64_t e = begin + lane; e < end; e += 32) dst[e] = x[e];
-      continue;
-    }
-    const uint64_t seed = static_cast<uint64_t>(info[1 + seg]);
+    EncodeCell<Tag> cell;
+    if (!start_encode_cell<Tag>(src, p, rows, slot_info, out, w, lane, cell)) continue;
+    uint8_t* blob = cell.blob;
+    const int64_t* row = cell.row;
+    const int64_t n = cell.n, k = cell.k;
+    const typename Tag::T* x = cell.x;
+    const uint64_t seed = cell.seed;
     const int64_t begin = k * p.cell_numel, end = min(n, begin + p.cell_numel);
     const int64_t first_bucket = begin / p.bucket;  // cells start on bucket boundaries
     const int buckets = static_cast<int>((end - begin + p.bucket - 1) / p.bucket);  // <= 8
@@ -549,9 +578,248 @@ __global__ void __launch_bounds__(kThreads) sum_payloads_kernel(const uint8_t* _
   }
 }
 
+// ---- fused payloads, rotated (p.rotation; reference.py steps 7-10) ------------------------------
+//
+// Separate kernels, the unrotated ones above untouched. Same work units (cells), one warp each, but
+// a warp works one rotation block (a power of two <= kMaxRotationBlock elements, never crossing a
+// bucket) at a time: the block sits in shared memory as fp64 while the warp runs the butterflies.
+// Encode: pass 1 rotates every block of each bucket of the cell and reduces min/max of r into the
+// bucket's grid; pass 2 rotates each block again (a cell of one block is still in shared memory),
+// encodes r into a shared window of codes and packs every whole group of 8, carrying the codes of a
+// group that continues in the next block. Decode (a warp per cell and slot) and sum (a warp per
+// cell, looping over the slots in order with the block's fp32 sums in registers) decode a block,
+// rotate it back and write or accumulate it.
+
+// visit(j, s0, block, bucket_end) for every rotation block [s0, s0 + block) of the cell [begin, end),
+// in order; begin is on a bucket boundary, j counts the cell's buckets and bucket_end ends bucket j.
+template <typename Visit>
+__device__ __forceinline__ void for_each_rotation_block(int64_t begin, int64_t end, int64_t bucket, int max_block,
+                                                        Visit&& visit) {
+  int j = 0;
+  for (int64_t bucket_start = begin; bucket_start < end; bucket_start += bucket, ++j) {
+    const int64_t bucket_end = min(end, bucket_start + bucket);
+    for (int64_t s0 = bucket_start; s0 < bucket_end;) {
+      const int block = rotation_block(bucket_end - s0, max_block);
+      visit(j, s0, block, bucket_end);
+      s0 += block;
+    }
+  }
+}
+
+// Rotates elements [s0, s0 + block) of segment x forward into w: w_i = double(fp32(x_i)) * d_i, then
+// the butterflies (r_i = rotated_value(w[i], c)).
+template <typename Tag>
+__device__ __forceinline__ void rotate_forward(const typename Tag::T* x, int64_t s0, int block, uint64_t seed,
+                                               double* w, int lane) {
+  for (int i = lane; i < block; i += 32)
+    w[i] = __dmul_rn(static_cast<double>(Tag::load(x, s0 + i)), rotation_sign(seed, s0 + i));
+  __syncwarp();
+  warp_butterflies(w, block, lane);
+}
+
+// Decodes elements [s0, s0 + block) of the quantized segment `row` (one bucket) into w as fp64 and
+// runs the butterflies (x_hat_i = unrotated_value(w[i], c, d_i)).
+template <typename MetaTag>
+__device__ __forceinline__ void rotate_decoded_back(const uint8_t* blob, const pl::Params& p, const int64_t* row,
+                                                    int64_t s0, int block, double* w, int lane) {
+  const uint8_t* codes = blob + row[pl::kCodeOffset];
+  const auto* lo = reinterpret_cast<const typename MetaTag::T*>(blob + p.meta_offset) + row[pl::kBucketOffset];
+  const auto* scale = lo + p.num_buckets;
+  const int64_t b = bucket_of(s0, p.bucket);
+  const double lo64 = MetaTag::load(lo, b), scale64 = MetaTag::load(scale, b);
+  for (int i = lane; i < block; i += 32)
+    w[i] = static_cast<double>(qaccel::decode_value(lo64, scale64, code_at(codes, s0 + i, p.bits)));
+  __syncwarp();
+  warp_butterflies(w, block, lane);
+}
+
+template <typename Tag>
+__global__ void __launch_bounds__(kRotationThreads) encode_payloads_rotated_kernel(
+    const typename Tag::T* __restrict__ src, pl::Params p, const int64_t* __restrict__ rows,
+    const int64_t* __restrict__ slot_info, int64_t slots, uint8_t* __restrict__ out) {
+  __shared__ double rotated[kRotationWarps][kMaxRotationBlock];
+  __shared__ uint8_t windows[kRotationWarps][kMaxRotationBlock + 8];
+  const int lane = threadIdx.x & 31;
+  double* w = rotated[threadIdx.x >> 5];
+  uint8_t* window = windows[threadIdx.x >> 5];  // codes not yet packed: < 8 carried + one block
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t total = slots * p.cells_per_slot;
+  const double levels = static_cast<double>((1 << p.bits) - 1);
+  const int64_t meta_size = p.meta_bf16 ? 2 : 4;
+  const int max_block = static_cast<int>(p.rotation_max_block);
+  for (int64_t item = first_warp; item < total; item += warps) {  // warp-uniform: every lane takes the same path
+    EncodeCell<Tag> cell;
+    if (!start_encode_cell<Tag>(src, p, rows, slot_info, out, item, lane, cell)) continue;
+    const typename Tag::T* x = cell.x;
+    const uint64_t seed = cell.seed;
+    const int64_t begin = cell.k * p.cell_numel, end = min(cell.n, begin + p.cell_numel);
+    const int64_t first_bucket = begin / p.bucket;  // cells start on bucket boundaries
+    uint8_t* lo = cell.blob + p.meta_offset + meta_size * cell.row[pl::kBucketOffset];
+    uint8_t* scale = lo + meta_size * p.num_buckets;
+    double grid_lo[8], grid_inv[8];  // a cell holds at most 8 buckets
+    MinMax extremes;
+    for_each_rotation_block(begin, end, p.bucket, max_block, [&](int j, int64_t s0, int block, int64_t bucket_end) {
+      rotate_forward<Tag>(x, s0, block, seed, w, lane);
+      const double c = rotation_scale(block);
+      for (int i = lane; i < block; i += 32) extremes.add(rotated_value(w[i], c));
+      __syncwarp();
+      if (s0 + block == bucket_end) {  // the bucket's last block: its grid
+        extremes.warp_reduce();
+        const BucketGrid grid = extremes.grid(p.bits, p.meta_bf16);
+        if (lane == 0) store_meta(grid, p.meta_bf16, lo, scale, first_bucket + j);
+        grid_lo[j] = grid.lo64;
+        grid_inv[j] = grid.inv;
+        extremes = MinMax();
+      }
+    });
+    // A cell of one bucket of one block is still in w; any other cell is rotated again block by block.
+    const bool one_block = end - begin <= p.bucket && rotation_block(end - begin, max_block) == end - begin;
+    uint8_t* codes = cell.blob + cell.row[pl::kCodeOffset];
+    int64_t window_start = begin;  // segment index of window[0]: a multiple of 8
+    int held = 0;                  // codes in the window
+    for_each_rotation_block(begin, end, p.bucket, max_block, [&](int j, int64_t s0, int block, int64_t) {
+      if (!one_block) rotate_forward<Tag>(x, s0, block, seed, w, lane);
+      const double c = rotation_scale(block);
+      for (int i = lane; i < block; i += 32) {
+        const int64_t e = s0 + i;
+        const uint32_t key = qaccel::rng_key(seed, static_cast<uint32_t>(static_cast<uint64_t>(e) >> 32));
+        const double u = p.nearest ? 0.5 : qaccel::rng_uniform(key, static_cast<uint32_t>(e));
+        const double r = static_cast<double>(rotated_value(w[i], c));
+        window[held + i] = static_cast<uint8_t>(qaccel::encode_value(r, grid_lo[j], grid_inv[j], u, levels));
+      }
+      __syncwarp();
+      held += block;
+      const int groups = held >> 3;
+      for (int g = lane; g < groups; g += 32) {
+        uint64_t word = 0;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) word |= static_cast<uint64_t>(window[8 * g + q]) << (p.bits * q);
+        store_packed_any(codes + ((window_start >> 3) + g) * p.bits, word, p.bits);
+      }
+      const int rest = held & 7;  // a group continuing in the next block: move it to the front
+      const uint8_t carried = lane < rest ? window[8 * groups + lane] : 0;
+      __syncwarp();
+      if (lane < rest) window[lane] = carried;
+      __syncwarp();
+      window_start += 8 * groups;
+      held = rest;
+    });
+    if (held > 0 && lane == 0) {  // the segment's last group, padded with code 0
+      uint64_t word = 0;
+      for (int q = 0; q < held; ++q) word |= static_cast<uint64_t>(window[q]) << (p.bits * q);
+      store_packed_any(codes + (window_start >> 3) * p.bits, word, p.bits);
+    }
+    __syncwarp();  // the window and w are reused by the next cell
+  }
+}
+
+template <typename MetaTag, typename OutTag>
+__global__ void __launch_bounds__(kRotationThreads) decode_payloads_rotated_kernel(
+    const uint8_t* __restrict__ blob_all, pl::Params p, const int64_t* __restrict__ rows,
+    const int64_t* __restrict__ offsets, const int64_t* __restrict__ seeds, int64_t slots,
+    typename OutTag::T* __restrict__ out) {
+  __shared__ double rotated[kRotationWarps][kMaxRotationBlock];
+  const int lane = threadIdx.x & 31;
+  double* w = rotated[threadIdx.x >> 5];
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t total = slots * p.cells_per_slot;
+  const int max_block = static_cast<int>(p.rotation_max_block);
+  for (int64_t cw = first_warp; cw < total; cw += warps) {  // warp-uniform
+    const int64_t slot = cw / p.cells_per_slot, cell = cw - slot * p.cells_per_slot;
+    const int64_t seg = find_segment(rows, p.num_segments, pl::kCellOffset, cell);
+    const int64_t* row = rows + seg * pl::kRowLen;
+    const int64_t n = row[pl::kSegNumel], k = cell - row[pl::kCellOffset];
+    const uint8_t* blob = blob_all + slot * p.nbytes;
+    typename OutTag::T* dst = out + offsets[slot] + row[pl::kElemOffset];
+    if (!row[pl::kQuantized]) {
+      const int64_t begin = k * p.raw_cell_numel, end = min(n, begin + p.raw_cell_numel);
+      const uint8_t* raw = blob + row[pl::kRawByteOffset];
+      if (p.elem_dtype == OutTag::kDtype) {  // bit copy, as Tensor.copy_ between equal dtypes
+        const auto* src = reinterpret_cast<const typename OutTag::T*>(raw);
+        for (int64_t e = begin + lane; e < end; e += 32) dst[e] = src[e];
+      } else {
+        for (int64_t e = begin + lane; e < end; e += 32) OutTag::store(dst, e, load_any(raw, p.elem_dtype, e));
+      }
+      continue;
+    }
+    const uint64_t seed = static_cast<uint64_t>(seeds[slot * p.num_segments + seg]);
+    const int64_t begin = k * p.cell_numel, end = min(n, begin + p.cell_numel);
+    for_each_rotation_block(begin, end, p.bucket, max_block, [&](int, int64_t s0, int block, int64_t) {
+      rotate_decoded_back<MetaTag>(blob, p, row, s0, block, w, lane);
+      const double c = rotation_scale(block);
+      for (int i = lane; i < block; i += 32)
+        OutTag::store(dst, s0 + i, unrotated_value(w[i], c, rotation_sign(seed, s0 + i)));
+      __syncwarp();
+    });
+  }
+}
+
+// No __restrict__ on base/out: they may be the same tensor (a warp reads a block's base before
+// writing it, and no other warp touches that block).
+template <typename MetaTag, typename OutTag>
+__global__ void __launch_bounds__(kRotationThreads) sum_payloads_rotated_kernel(
+    const uint8_t* __restrict__ blob_all, pl::Params p, const int64_t* __restrict__ rows,
+    const int64_t* __restrict__ seeds, int64_t slots, const void* base, int base_dtype, typename OutTag::T* out) {
+  __shared__ double rotated[kRotationWarps][kMaxRotationBlock];
+  const int lane = threadIdx.x & 31;
+  double* w = rotated[threadIdx.x >> 5];
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int max_block = static_cast<int>(p.rotation_max_block);
+  for (int64_t cell = first_warp; cell < p.cells_per_slot; cell += warps) {  // warp-uniform
+    const int64_t seg = find_segment(rows, p.num_segments, pl::kCellOffset, cell);
+    const int64_t* row = rows + seg * pl::kRowLen;
+    const int64_t n = row[pl::kSegNumel], k = cell - row[pl::kCellOffset];
+    const int64_t first = row[pl::kElemOffset];
+    if (!row[pl::kQuantized]) {
+      const int64_t begin = k * p.raw_cell_numel, end = min(n, begin + p.raw_cell_numel);
+      for (int64_t e = begin + lane; e < end; e += 32) {
+        float acc = load_any(base, base_dtype, first + e);
+        for (int64_t s = 0; s < slots; ++s)  // slot order: ((base + d_0) + d_1) + ...
+          acc = __fadd_rn(acc, load_any(blob_all + s * p.nbytes + row[pl::kRawByteOffset], p.elem_dtype, e));
+        OutTag::store(out, first + e, acc);
+      }
+      continue;
+    }
+    const int64_t begin = k * p.cell_numel, end = min(n, begin + p.cell_numel);
+    for_each_rotation_block(begin, end, p.bucket, max_block, [&](int, int64_t s0, int block, int64_t) {
+      float acc[kRotationPerLane];  // element lane + 32 t of the block
+#pragma unroll
+      for (int t = 0; t < kRotationPerLane; ++t) {
+        const int i = lane + 32 * t;
+        acc[t] = i < block ? load_any(base, base_dtype, first + s0 + i) : 0.0f;
+      }
+      for (int64_t s = 0; s < slots; ++s) {  // slot order: ((base + d_0) + d_1) + ...
+        const uint64_t seed = static_cast<uint64_t>(seeds[s * p.num_segments + seg]);
+        rotate_decoded_back<MetaTag>(blob_all + s * p.nbytes, p, row, s0, block, w, lane);
+        const double c = rotation_scale(block);
+#pragma unroll
+        for (int t = 0; t < kRotationPerLane; ++t) {
+          const int i = lane + 32 * t;
+          if (i < block) acc[t] = __fadd_rn(acc[t], unrotated_value(w[i], c, rotation_sign(seed, s0 + i)));
+        }
+        __syncwarp();
+      }
+#pragma unroll
+      for (int t = 0; t < kRotationPerLane; ++t) {
+        const int i = lane + 32 * t;
+        if (i < block) OutTag::store(out, first + s0 + i, acc[t]);
+      }
+    });
+  }
+}
+
 template <typename Tag>
 cudaError_t encode_payloads_typed(const void* src, const pl::Params& p, const int64_t* rows, const int64_t* slot_info,
                                   int64_t slots, uint8_t* out, cudaStream_t stream) {
+  if (p.rotation) {
+    encode_payloads_rotated_kernel<Tag><<<grid_for(slots * p.cells_per_slot, kRotationWarps), kRotationThreads, 0,
+                                          stream>>>(static_cast<const typename Tag::T*>(src), p, rows, slot_info,
+                                                    slots, out);
+    return cudaGetLastError();
+  }
   const unsigned blocks = grid_for(slots * p.cells_per_slot, kWarpsPerBlock);
   encode_payloads_kernel<Tag><<<blocks, kThreads, 0, stream>>>(static_cast<const typename Tag::T*>(src), p, rows,
                                                                 slot_info, slots, out);
@@ -560,7 +828,14 @@ cudaError_t encode_payloads_typed(const void* src, const pl::Params& p, const in
 
 template <typename MetaTag, typename OutTag>
 cudaError_t decode_payloads_typed(const uint8_t* blob, const pl::Params& p, const int64_t* rows,
-                                  const int64_t* offsets, int64_t slots, void* out, cudaStream_t stream) {
+                                  const int64_t* offsets, const int64_t* seeds, int64_t slots, void* out,
+                                  cudaStream_t stream) {
+  if (p.rotation) {
+    decode_payloads_rotated_kernel<MetaTag, OutTag>
+        <<<grid_for(slots * p.cells_per_slot, kRotationWarps), kRotationThreads, 0, stream>>>(
+            blob, p, rows, offsets, seeds, slots, static_cast<typename OutTag::T*>(out));
+    return cudaGetLastError();
+  }
   decode_payloads_kernel<MetaTag, OutTag><<<grid_for(slots * p.groups_per_slot, kThreads), kThreads, 0, stream>>>(
       blob, p, rows, offsets, slots, static_cast<typename OutTag::T*>(out));
   return cudaGetLastError();
@@ -568,30 +843,41 @@ cudaError_t decode_payloads_typed(const uint8_t* blob, const pl::Params& p, cons
 
 template <typename MetaTag>
 cudaError_t decode_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* offsets,
-                                 int64_t slots, void* out, Dtype out_dtype, cudaStream_t stream) {
+                                 const int64_t* seeds, int64_t slots, void* out, Dtype out_dtype,
+                                 cudaStream_t stream) {
   switch (out_dtype) {
-    case Dtype::kFloat32: return decode_payloads_typed<MetaTag, F32>(blob, p, rows, offsets, slots, out, stream);
-    case Dtype::kBFloat16: return decode_payloads_typed<MetaTag, BF16>(blob, p, rows, offsets, slots, out, stream);
-    default: return decode_payloads_typed<MetaTag, F16>(blob, p, rows, offsets, slots, out, stream);
+    case Dtype::kFloat32:
+      return decode_payloads_typed<MetaTag, F32>(blob, p, rows, offsets, seeds, slots, out, stream);
+    case Dtype::kBFloat16:
+      return decode_payloads_typed<MetaTag, BF16>(blob, p, rows, offsets, seeds, slots, out, stream);
+    default: return decode_payloads_typed<MetaTag, F16>(blob, p, rows, offsets, seeds, slots, out, stream);
   }
 }
 
 template <typename MetaTag, typename OutTag>
-cudaError_t sum_payloads_typed(const uint8_t* blob, const pl::Params& p, const int64_t* rows, int64_t slots,
-                               const void* base, Dtype base_dtype, void* out, cudaStream_t stream) {
+cudaError_t sum_payloads_typed(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* seeds,
+                               int64_t slots, const void* base, Dtype base_dtype, void* out, cudaStream_t stream) {
+  if (p.rotation) {
+    sum_payloads_rotated_kernel<MetaTag, OutTag>
+        <<<grid_for(p.cells_per_slot, kRotationWarps), kRotationThreads, 0, stream>>>(
+            blob, p, rows, seeds, slots, base, static_cast<int>(base_dtype), static_cast<typename OutTag::T*>(out));
+    return cudaGetLastError();
+  }
   sum_payloads_kernel<MetaTag, OutTag><<<grid_for(p.groups_per_slot, kThreads), kThreads, 0, stream>>>(
       blob, p, rows, slots, base, static_cast<int>(base_dtype), static_cast<typename OutTag::T*>(out));
   return cudaGetLastError();
 }
 
 template <typename MetaTag>
-cudaError_t sum_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, int64_t slots,
-                              const void* base, Dtype base_dtype, void* out, Dtype out_dtype, cudaStream_t stream) {
+cudaError_t sum_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* seeds,
+                              int64_t slots, const void* base, Dtype base_dtype, void* out, Dtype out_dtype,
+                              cudaStream_t stream) {
   switch (out_dtype) {
-    case Dtype::kFloat32: return sum_payloads_typed<MetaTag, F32>(blob, p, rows, slots, base, base_dtype, out, stream);
+    case Dtype::kFloat32:
+      return sum_payloads_typed<MetaTag, F32>(blob, p, rows, seeds, slots, base, base_dtype, out, stream);
     case Dtype::kBFloat16:
-      return sum_payloads_typed<MetaTag, BF16>(blob, p, rows, slots, base, base_dtype, out, stream);
-    default: return sum_payloads_typed<MetaTag, F16>(blob, p, rows, slots, base, base_dtype, out, stream);
+      return sum_payloads_typed<MetaTag, BF16>(blob, p, rows, seeds, slots, base, base_dtype, out, stream);
+    default: return sum_payloads_typed<MetaTag, F16>(blob, p, rows, seeds, slots, base, base_dtype, out, stream);
   }
 }
 
@@ -661,17 +947,20 @@ cudaError_t encode_payloads(const void* src, const pl::Params& p, const int64_t*
 }
 
 cudaError_t decode_payloads(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* offsets,
-                            int64_t slots, void* out, Dtype out_dtype, cudaStream_t stream) {
+                            const int64_t* seeds, int64_t slots, void* out, Dtype out_dtype, cudaStream_t stream) {
   if (slots <= 0 || p.groups_per_slot <= 0) return cudaSuccess;
-  if (p.meta_bf16) return decode_payloads_meta<MetaBF16>(blob, p, rows, offsets, slots, out, out_dtype, stream);
-  return decode_payloads_meta<MetaF32>(blob, p, rows, offsets, slots, out, out_dtype, stream);
+  if (p.meta_bf16)
+    return decode_payloads_meta<MetaBF16>(blob, p, rows, offsets, seeds, slots, out, out_dtype, stream);
+  return decode_payloads_meta<MetaF32>(blob, p, rows, offsets, seeds, slots, out, out_dtype, stream);
 }
 
-cudaError_t sum_payloads(const uint8_t* blob, const pl::Params& p, const int64_t* rows, int64_t slots,
-                         const void* base, Dtype base_dtype, void* out, Dtype out_dtype, cudaStream_t stream) {
+cudaError_t sum_payloads(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* seeds,
+                         int64_t slots, const void* base, Dtype base_dtype, void* out, Dtype out_dtype,
+                         cudaStream_t stream) {
   if (p.groups_per_slot <= 0) return cudaSuccess;
-  if (p.meta_bf16) return sum_payloads_meta<MetaBF16>(blob, p, rows, slots, base, base_dtype, out, out_dtype, stream);
-  return sum_payloads_meta<MetaF32>(blob, p, rows, slots, base, base_dtype, out, out_dtype, stream);
+  if (p.meta_bf16)
+    return sum_payloads_meta<MetaBF16>(blob, p, rows, seeds, slots, base, base_dtype, out, out_dtype, stream);
+  return sum_payloads_meta<MetaF32>(blob, p, rows, seeds, slots, base, base_dtype, out, out_dtype, stream);
 }
 
 }  // namespace qaccel_cuda

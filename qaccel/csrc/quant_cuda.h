@@ -30,18 +30,28 @@ cudaError_t sign_pack(const void* x, Dtype dtype, int64_t chunks, int64_t chunk_
 cudaError_t sign_unpack(const uint8_t* signs, const float* scales, int64_t chunks, int64_t chunk_numel, float* out,
                         cudaStream_t stream);
 
+// Longest Hadamard rotation block the kernels hold in shared memory (ROTATION_MAX_BLOCK of
+// qaccel/quant/_types.py); a rotated table must not ask for more.
+constexpr int64_t kMaxRotationBlock = 1024;
+
 // Fused payloads (one launch each; qaccel/quant/_payload.py). `rows` points at the segment rows of
 // the device copy of the layout table; `p` holds its header. encode: `slot_info` is a device int64
 // [slots, 1 + segments] array: chunk offset in `src`, then the uint64 seed of every segment.
+// A rotated table (p.rotation) rotates every quantized bucket first (reference.py steps 7-10).
 cudaError_t encode_payloads(const void* src, const qaccel::payload::Params& p, const int64_t* rows,
                             const int64_t* slot_info, int64_t slots, uint8_t* out, cudaStream_t stream);
 
 // decode: `offsets` is a device int64 [slots] array, the element offset of each slot's chunk in `out`.
+// `seeds` is the device int64 [slots, segments] table the payloads were encoded with; read only when
+// p.rotation (the rotation signs come from it), may be null otherwise.
 cudaError_t decode_payloads(const uint8_t* blob, const qaccel::payload::Params& p, const int64_t* rows,
-                            const int64_t* offsets, int64_t slots, void* out, Dtype out_dtype, cudaStream_t stream);
+                            const int64_t* offsets, const int64_t* seeds, int64_t slots, void* out, Dtype out_dtype,
+                            cudaStream_t stream);
 
 // sum: out = fp32(base) + every payload's decoded values in slot order, rounded once; base may be out.
-cudaError_t sum_payloads(const uint8_t* blob, const qaccel::payload::Params& p, const int64_t* rows, int64_t slots,
-                         const void* base, Dtype base_dtype, void* out, Dtype out_dtype, cudaStream_t stream);
+// `seeds` as for decode_payloads.
+cudaError_t sum_payloads(const uint8_t* blob, const qaccel::payload::Params& p, const int64_t* rows,
+                         const int64_t* seeds, int64_t slots, const void* base, Dtype base_dtype, void* out,
+                         Dtype out_dtype, cudaStream_t stream);
 
 }  // namespace qaccel_cuda

@@ -132,7 +132,25 @@ pl::Params payload_params(const torch::Tensor& host_table, const torch::Tensor& 
                   device_table.device() == like.device(),
               "device_table: must be the same table on ", like.device());
   qaccel::check_codec_args(p.bits, p.bucket);
+  TORCH_CHECK(!p.rotation || (p.rotation_max_block >= 1 && p.rotation_max_block <= qaccel_cuda::kMaxRotationBlock &&
+                              (p.rotation_max_block & (p.rotation_max_block - 1)) == 0),
+              "host_table: rotation_max_block=", p.rotation_max_block, ": must be a power of two <= ",
+              qaccel_cuda::kMaxRotationBlock);
   return p;
+}
+
+// The encode seeds a rotated decode needs (its rotation signs), as a device pointer; null when the
+// spec is not rotated (then `seeds` is ignored, typically an empty tensor).
+const int64_t* rotation_seeds(const torch::Tensor& seeds, const pl::Params& p, int64_t slots,
+                              const torch::Tensor& like) {
+  if (!p.rotation) return nullptr;
+  check_cuda(seeds, "seeds");
+  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 2 && seeds.size(0) == slots &&
+                  seeds.size(1) == p.num_segments,
+              "seeds: a rotated spec needs the int64 [", slots, ", ", p.num_segments,
+              "] table the payloads were encoded with, got ", seeds.scalar_type(), " ", seeds.sizes());
+  TORCH_CHECK(seeds.device() == like.device(), "seeds is on ", seeds.device(), ": must be on ", like.device());
+  return seeds.data_ptr<int64_t>();
 }
 
 const int64_t* device_rows(const torch::Tensor& device_table) {
@@ -162,7 +180,7 @@ torch::Tensor encode_payloads(torch::Tensor src, torch::Tensor host_table, torch
 }
 
 torch::Tensor decode_payloads(torch::Tensor blob, torch::Tensor host_table, torch::Tensor device_table,
-                              torch::Tensor out, torch::Tensor offsets, int64_t stream) {
+                              torch::Tensor out, torch::Tensor offsets, torch::Tensor seeds, int64_t stream) {
   check_cuda(blob, "blob");
   check_cuda(out, "out");
   check_cuda(offsets, "offsets");
@@ -173,15 +191,16 @@ torch::Tensor decode_payloads(torch::Tensor blob, torch::Tensor host_table, torc
   TORCH_CHECK(blob.scalar_type() == at::kByte && blob.numel() == slots * p.nbytes, "blob: expected ",
               slots * p.nbytes, " uint8 bytes");
   TORCH_CHECK(blob.device() == out.device() && offsets.device() == out.device(), "blob, offsets, out: one device");
+  const int64_t* seed_table = rotation_seeds(seeds, p, slots, out);
   check_launch(qaccel_cuda::decode_payloads(blob.data_ptr<uint8_t>(), p, device_rows(device_table),
-                                            offsets.data_ptr<int64_t>(), slots, out.data_ptr(), out_dtype,
-                                            as_stream(stream)),
+                                            offsets.data_ptr<int64_t>(), seed_table, slots, out.data_ptr(),
+                                            out_dtype, as_stream(stream)),
                "decode_payloads");
   return out;
 }
 
 torch::Tensor sum_payloads(torch::Tensor blob, torch::Tensor host_table, torch::Tensor device_table,
-                           torch::Tensor base, torch::Tensor out, int64_t stream) {
+                           torch::Tensor base, torch::Tensor out, torch::Tensor seeds, int64_t stream) {
   check_cuda(blob, "blob");
   check_cuda(base, "base");
   check_cuda(out, "out");
@@ -193,7 +212,8 @@ torch::Tensor sum_payloads(torch::Tensor blob, torch::Tensor host_table, torch::
               "blob: expected a whole number of ", p.nbytes, "-byte payloads");
   TORCH_CHECK(blob.device() == out.device() && base.device() == out.device(), "blob, base, out: one device");
   const int64_t slots = p.nbytes == 0 ? 0 : blob.numel() / p.nbytes;
-  check_launch(qaccel_cuda::sum_payloads(blob.data_ptr<uint8_t>(), p, device_rows(device_table), slots,
+  const int64_t* seed_table = rotation_seeds(seeds, p, slots, out);
+  check_launch(qaccel_cuda::sum_payloads(blob.data_ptr<uint8_t>(), p, device_rows(device_table), seed_table, slots,
                                          base.data_ptr(), base_dtype, out.data_ptr(), out_dtype, as_stream(stream)),
                "sum_payloads");
   return out;

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "quant_common.h"
+#include "quant_cuda.h"
 
 namespace qaccel_cuda {
 namespace {
@@ -127,6 +128,68 @@ __device__ __forceinline__ void store8(typename OutTag::T* p, const float v[8]) 
       words[k] = static_cast<uint32_t>(OutTag::bits(v[2 * k])) | (static_cast<uint32_t>(OutTag::bits(v[2 * k + 1])) << 16);
     *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
   }
+}
+
+// ---- Hadamard rotation (reference.py steps 7-10): one warp rotates one block in shared memory ----
+
+// Warps of a rotating kernel's block: each holds one block of doubles, so 4 x 8 KiB stay under the
+// 48 KiB of static shared memory.
+constexpr int kRotationThreads = 128;
+constexpr int kRotationWarps = kRotationThreads / 32;
+constexpr int kRotationPerLane = static_cast<int>(kMaxRotationBlock) / 32;  // block elements per lane
+
+// Length of the next block of a bucket with `remaining` elements left: the largest power of two not
+// above it, at most max_block (itself a power of two), as _types.rotation_blocks tiles a bucket.
+__device__ __forceinline__ int rotation_block(int64_t remaining, int max_block) {
+  if (remaining >= max_block) return max_block;
+  return 1 << (63 - __clzll(static_cast<long long>(remaining)));
+}
+
+// d_i of element i of a segment encoded with `seed`: -1 when bit 0 of the rounding hash is set
+// (_rng.rotation_signs; u uses the top 24 bits of the same hash).
+__device__ __forceinline__ double rotation_sign(uint64_t seed, int64_t i) {
+  const uint32_t key = qaccel::rng_key(seed, static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32));
+  return (qaccel::lowbias32(static_cast<uint32_t>(i) ^ key) & 1u) ? -1.0 : 1.0;
+}
+
+// c = 1 / sqrt(b), the root and the quotient correctly rounded, as Python's 1.0 / math.sqrt(b).
+__device__ __forceinline__ double rotation_scale(int block) {
+  return __ddiv_rn(1.0, __dsqrt_rn(static_cast<double>(block)));
+}
+
+// The unnormalized Walsh-Hadamard butterflies over w[0, block) (shared memory, written by the warp
+// and synced with __syncwarp before the call), by the whole warp: stage h = 1, 2, ..., block / 2
+// maps every pair (j, j + h) with j & h == 0 to (w_j + w_{j+h}, w_j - w_{j+h}) in fp64. Each pair has
+// one lane; __syncwarp orders the stages, and the last one makes w readable by every lane.
+__device__ __forceinline__ void warp_butterflies(double* w, int block, int lane) {
+  for (int h = 1; h < block; h <<= 1) {
+    for (int pair = lane; pair < (block >> 1); pair += 32) {
+      const int j = ((pair & ~(h - 1)) << 1) | (pair & (h - 1));
+      const double a = w[j], b = w[j + h];
+      w[j] = __dadd_rn(a, b);
+      w[j + h] = __dsub_rn(a, b);
+    }
+    __syncwarp();
+  }
+}
+
+// Forward: r_i = fp32(w_i * c) from a butterflied block.
+__device__ __forceinline__ float rotated_value(double w, double c) { return __double2float_rn(__dmul_rn(w, c)); }
+
+// Inverse: x_hat_i = fp32((w_i * c) * d_i) from a butterflied block of decoded values.
+__device__ __forceinline__ float unrotated_value(double w, double c, double sign) {
+  return __double2float_rn(__dmul_rn(__dmul_rn(w, c), sign));
+}
+
+// Code of element i of a run of packed codes: eight codes fill `bits` bytes read little-endian,
+// so code i sits at bits [bits * i, bits * i + bits) of the byte stream (at most two bytes).
+__device__ __forceinline__ uint32_t code_at(const uint8_t* codes, int64_t i, int bits) {
+  const int64_t bit = i * bits;
+  const uint8_t* byte = codes + (bit >> 3);
+  const int shift = static_cast<int>(bit & 7);
+  uint32_t word = byte[0];
+  if (shift + bits > 8) word |= static_cast<uint32_t>(byte[1]) << 8;
+  return (word >> shift) & ((1u << bits) - 1u);
 }
 
 // ---- launch helpers -------------------------------------------------------------------------------

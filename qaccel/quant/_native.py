@@ -306,11 +306,11 @@ def _bind_cpu(kernels: ModuleType, extension: ModuleType) -> None:
     def encode_payloads(src, spec, src_offsets, seeds, out):
         return extension.encode_payloads(src, spec.table("cpu"), _offsets_tensor(src_offsets), seeds, out)
 
-    def decode_payloads(blob, spec, out, out_offsets):
-        return extension.decode_payloads(blob, spec.table("cpu"), out, _offsets_tensor(out_offsets))
+    def decode_payloads(blob, spec, out, out_offsets, seeds=None):
+        return extension.decode_payloads(blob, spec.table("cpu"), out, _offsets_tensor(out_offsets), _seeds_or_empty(seeds))
 
-    def sum_payloads(blob, spec, base, out):
-        return extension.sum_payloads(blob, spec.table("cpu"), base, out)
+    def sum_payloads(blob, spec, base, out, seeds=None):
+        return extension.sum_payloads(blob, spec.table("cpu"), base, out, _seeds_or_empty(seeds))
 
     _install(kernels, quantize_buckets, dequantize_into, sign_pack, sign_unpack, encode_payloads, decode_payloads,
              sum_payloads)  # fmt: skip
@@ -355,19 +355,27 @@ def _bind_cuda(kernels: ModuleType, extension: ModuleType) -> None:
             return extension.encode_payloads(src, spec.table("cpu"), spec.table(src.device), slot_info, out,
                                              _stream(src.device))  # fmt: skip
 
-    def decode_payloads(blob, spec, out, out_offsets):
+    # seeds: the encode's [slots, segments] table, read only by a rotated spec (its rotation signs).
+    def decode_payloads(blob, spec, out, out_offsets, seeds=None):
         with torch.cuda.device(out.device):
             offsets = _offsets_tensor(out_offsets).to(out.device)
             return extension.decode_payloads(blob, spec.table("cpu"), spec.table(out.device), out, offsets,
-                                             _stream(out.device))  # fmt: skip
+                                             _seeds_or_empty(seeds, out.device), _stream(out.device))  # fmt: skip
 
-    def sum_payloads(blob, spec, base, out):
+    def sum_payloads(blob, spec, base, out, seeds=None):
         with torch.cuda.device(out.device):
             return extension.sum_payloads(blob, spec.table("cpu"), spec.table(out.device), base, out,
-                                          _stream(out.device))  # fmt: skip
+                                          _seeds_or_empty(seeds, out.device), _stream(out.device))  # fmt: skip
 
     _install(kernels, quantize_buckets, dequantize_into, sign_pack, sign_unpack, encode_payloads, decode_payloads,
              sum_payloads)  # fmt: skip
+
+
+def _seeds_or_empty(seeds: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The decode seed table for a kernel: ``[slots, segments]`` int64, or an empty one when unrotated."""
+    if seeds is None:
+        return torch.empty((0, 0), dtype=torch.int64, device=device)
+    return seeds.to(device=device, dtype=torch.int64).contiguous()
 
 
 def _offsets_tensor(offsets) -> torch.Tensor:

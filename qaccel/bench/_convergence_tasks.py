@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Method", "Task", "TASKS", "task_by_name", "task_methods", "select_methods", "hierarchical_tasks"]
+__all__ = ["Method", "Task", "TASKS", "METHOD_GROUPS", "task_by_name", "task_methods", "select_methods", "hierarchical_tasks"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class Method:
     zoadam: dict[str, Any] = field(default_factory=dict)
     goal_pct: float | None = None  # allowed excess of the mean final eval loss over the baseline's, in %
     baseline: bool = False
+    in_default_study: bool = True  # False: runs only when named in --methods (or through a group such as "lowbit")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,27 @@ _QSDP_METHODS = (
         goal_pct=2.0,
     ),
 )
+# Fewer bits (the low-bit study: --methods lowbit): weights and gradients at 2-4 bits with the per-bit
+# default buckets (128 elements, bf16 metadata), each plain, with Hadamard rotation of both paths, with
+# gradient error feedback (fp32 store), and with both. The goal is the issue's: within +1% of FSDP2.
+_LOWBIT_SETTINGS = ((4, 4), (4, 2), (3, 3), (3, 2), (2, 2))
+_LOWBIT_VARIANTS = (
+    ("", "", {}),
+    ("-rot", ", Hadamard-rotated", {"weight_rotation": "hadamard", "grad_rotation": "hadamard"}),
+    ("-ef", ", gradient error feedback", {"grad_error_feedback": "float32"}),
+    ("-rot-ef", ", rotated + error feedback", {"weight_rotation": "hadamard", "grad_rotation": "hadamard", "grad_error_feedback": "float32"}),
+)
+_LOWBIT_METHODS = tuple(
+    Method(
+        f"w{w}g{g}{suffix}", f"QSDP W{w}G{g}{label}", "qsdp", {"weight_bits": w, "grad_bits": g, **settings},
+        goal_pct=1.0, in_default_study=False,
+    )  # fmt: skip
+    for w, g in _LOWBIT_SETTINGS
+    for suffix, label, settings in _LOWBIT_VARIANTS
+    if (w, g, suffix) != (4, 4, "")  # W4G4 plain is the default study's w4g4
+)
+#: ``--methods`` names that stand for a group of methods
+METHOD_GROUPS = {"lowbit": ("w4g4", *(m.key for m in _LOWBIT_METHODS))}
 # --method none on a hierarchical launch is stock HSDP: FSDP2 within a replica, an exact fp32 all-reduce across.
 _HSDP_METHODS = (
     Method("hsdp", "stock HSDP fp32", "none", baseline=True),
@@ -136,7 +158,7 @@ TASKS: dict[str, Task] = {
         quick_steps=4,
         eval_every=10,
         per_device_batch_size=4,
-        methods=_QSDP_METHODS,
+        methods=(*_QSDP_METHODS, *_LOWBIT_METHODS),
         why="recipe settings (AdamW 1e-3, cosine), 16 warm-up steps, 50 steps of 2 x 4 sequences of 128 tokens (the recipe: 300 of 2 x 8); eval on the recipe's whole eval split",
         hsdp_methods=(*_HSDP_METHODS, *_GPT2_HSDP_ONEBIT_METHODS),
     ),
@@ -190,10 +212,15 @@ def task_methods(task: Task, replicas: int = 1) -> tuple[Method, ...]:
 
 
 def select_methods(task: Task, keys: list[str] | None, replicas: int = 1) -> tuple[Method, ...]:
-    """The task's methods (for the mesh ``replicas`` asks for) named in ``keys`` (all when None); the baseline is always kept."""
+    """The task's methods (for the mesh ``replicas`` asks for) named in ``keys``; the baseline is always kept.
+
+    ``keys`` None: the default study (every method with ``in_default_study``). A group name of
+    :data:`METHOD_GROUPS` stands for its methods.
+    """
     methods = task_methods(task, replicas)
     if not keys:
-        return methods
+        return tuple(m for m in methods if m.in_default_study)
+    keys = [key for name in keys for key in METHOD_GROUPS.get(name, (name,))]
     known = {m.key for m in methods}
     flat = {m.key for t in TASKS.values() for m in t.methods}
     hierarchical = {m.key for t in TASKS.values() for m in t.hsdp_methods}

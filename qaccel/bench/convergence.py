@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run for every task (default: per task)")
     parser.add_argument("--eval_every", type=int, default=None, help="eval interval in steps (default: per task)")
     parser.add_argument("--long_steps", type=int, default=0, help="also train gpt2-tiny this many steps, 1 seed, FSDP2 vs W8G8 vs W4G4 (default 0: off)")
+    parser.add_argument(
+        "--long_methods", nargs="+", default=None, metavar="METHOD",
+        help=f"gpt2-tiny methods of the long run (default: {' '.join(LONG_METHODS)}; the baseline always runs; groups such as lowbit allowed)",
+    )  # fmt: skip
     parser.add_argument("--long_only", action="store_true", help="run only the long gpt2-tiny run (with --long_steps)")
     parser.add_argument("--quick", action="store_true", help="a few steps and 2 seeds: checks the pipeline, not convergence")
     parser.add_argument("--world_size", type=int, default=2, help="CPU ranks (default 2)")
@@ -114,7 +118,13 @@ def _check(args: argparse.Namespace) -> tuple[list[str], int]:
             raise ValueError(f"{flag}={value}: must be >= 1")
     for name in tasks:
         select_methods(TASKS[name], args.methods, args.replicas)  # unknown method names (or DDP tasks on 2 levels) fail here, before any rank starts
+    _long_methods(args)
     return tasks, seeds
+
+
+def _long_methods(args: argparse.Namespace) -> tuple[Method, ...]:
+    """gpt2-tiny's methods of the long run: ``--long_methods`` (or :data:`LONG_METHODS`), the baseline first."""
+    return select_methods(TASKS["gpt2-tiny"], getattr(args, "long_methods", None) or list(LONG_METHODS))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -193,7 +203,7 @@ def _measure(args: argparse.Namespace, checked: tuple[list[str], int]) -> dict:
         jobs += [(name, task, method, seeds, steps, eval_every) for method in select_methods(task, args.methods, args.replicas)]
     if args.long_steps:
         long_eval = max(1, args.long_steps // 20)
-        jobs += [(LONG_FOLDER, TASKS["gpt2-tiny"], m, [0], args.long_steps, long_eval) for m in TASKS["gpt2-tiny"].methods if m.key in LONG_METHODS]
+        jobs += [(LONG_FOLDER, TASKS["gpt2-tiny"], m, [0], args.long_steps, long_eval) for m in _long_methods(args)]
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="qaccel-convergence-"))
     folders = [root / folder / method.key for folder, _, method, *_ in jobs]
     taken = [str(folder) for folder in folders if folder.exists()]
@@ -220,7 +230,7 @@ def _measure(args: argparse.Namespace, checked: tuple[list[str], int]) -> dict:
         "long_run": None,
         "seconds": round(time.perf_counter() - started, 1),
     }
-    split = len(results) - (len(LONG_METHODS) if args.long_steps else 0)  # the long run's jobs come last
+    split = len(results) - (len(_long_methods(args)) if args.long_steps else 0)  # the long run's jobs come last
     study, long = results[:split], results[split:]
     for name in tasks:
         task = TASKS[name]
@@ -311,7 +321,7 @@ def _methods(methods: tuple[Method, ...], results: list[dict]) -> dict:
 def _command_line(args: argparse.Namespace) -> str:
     """The command that makes this report, rebuilt from the parsed options (defaults left out)."""
     parts = ["qaccel", "bench", "convergence"]
-    for flag, value in (("--tasks", args.tasks), ("--methods", args.methods)):
+    for flag, value in (("--tasks", args.tasks), ("--methods", args.methods), ("--long_methods", getattr(args, "long_methods", None))):
         if value:
             parts += [flag, *value]
     for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--eval_every", args.eval_every)):

@@ -98,11 +98,21 @@ def _bits(value: Any) -> str:
     return "full precision (stock collective)" if value is None else f"{value}-bit"
 
 
+def _rotated(config: dict, path: str) -> str:
+    """``", Hadamard-rotated"`` when the path was quantized with a rotation (``QSDPConfig.<path>_rotation``)."""
+    rotation = config.get(f"{path}_rotation", "none")
+    return f", {rotation.capitalize()}-rotated" if config.get(f"{path}_bits") is not None and rotation != "none" else ""
+
+
 def _training_section(state: dict, bnb: str | None, weights_dtype: str | None) -> str:
     method, config = state["method"], state.get("method_config") or {}
     rows = [("method", _METHOD_TITLES[method])]
     if method == "qsdp":
-        rows += [("weights on the wire", _bits(config.get("weight_bits"))), ("gradients on the wire", _bits(config.get("grad_bits")))]
+        weights = _bits(config.get("weight_bits")) + _rotated(config, "weight")
+        grads = _bits(config.get("grad_bits")) + _rotated(config, "grad")
+        if config.get("grad_bits") is not None and config.get("grad_error_feedback"):
+            grads += f", error feedback ({config['grad_error_feedback']} store)"
+        rows += [("weights on the wire", weights), ("gradients on the wire", grads)]
     elif method in ("zero_one_adam", "onebit_adam"):
         rows += [("gradients on the wire", "1-bit signs with error feedback (full precision during warm-up / variance steps)")]
     rows += [("processes (world size)", str(state["world_size"])), ("optimizer steps", str(state["step"]))]

@@ -30,11 +30,17 @@ def _config_differences(saved: dict, current: dict) -> list[str]:
     return lines
 
 
-def _world_size_warning(method: str, before: int, after: int) -> str:
+def _world_size_warning(method: str, before: int, after: int, config: dict | None = None) -> str:
     change = f"world size {before} -> {after}"
     if method == "qsdp":
+        feedback = (config or {}).get("grad_error_feedback")
+        state = (
+            "QSDP's per-rank gradient error-feedback buffers cannot be redistributed and restart from zero; otherwise "
+            if feedback
+            else "QSDP keeps no per-rank state, so "
+        )
         return (
-            f"{change}: QSDP keeps no per-rank state, so the sharded weights and optimizer state are re-sharded on load "
+            f"{change}: {state}the sharded weights and optimizer state are re-sharded on load "
             "and the seed step counter continues; what changes is the shard each rank owns (so the quantization "
             f"buckets and their rounding noise differ from a run at world size {before}) and, at the same per-device "
             "batch size, the global batch"
@@ -79,7 +85,7 @@ def check_resume(saved: dict, current: dict) -> list[str]:
             raise ValueError(f"resume: {key} differs: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}")
     warnings = []
     if saved["world_size"] != current["world_size"]:
-        warnings.append(_world_size_warning(saved["method"], saved["world_size"], current["world_size"]))
+        warnings.append(_world_size_warning(saved["method"], saved["world_size"], current["world_size"], saved.get("method_config")))
     if saved["qaccel_version"] != current["qaccel_version"]:
         warnings.append(f"the checkpoint was written by qaccel {saved['qaccel_version']}, this is qaccel {current['qaccel_version']}")
     return warnings

@@ -196,7 +196,8 @@ def test_every_method_resolves_in_the_training_loop_as_meant(task, warmup, tmp_p
     ("argv", "message"),
     [
         (["--tasks", "gpt3"], "unknown task 'gpt3'; choose from gpt2-tiny, bert-tiny, minilm-finetune"),
-        (["--methods", "w2g2"], r"--methods: unknown \['w2g2'\]"),
+        (["--methods", "w1g1"], r"--methods: unknown \['w1g1'\]"),
+        (["--long_steps", "10", "--long_methods", "w1g1"], r"--methods: unknown \['w1g1'\]"),
         (["--seeds", "0"], "--seeds=0: must be >= 1"),
         (["--long_only"], "--long_only: needs --long_steps N"),
     ],
@@ -320,6 +321,10 @@ def test_hierarchical_method_selection_keeps_the_baseline_and_the_json_keys_of_e
     # the 1-D rows are untouched (their keys name the published JSON's methods)
     assert [m.key for m in select_methods(TASKS["bert-tiny"], None)] == ["adamw", "zero_one_adam", "onebit_adam"]
     assert [m.key for m in select_methods(TASKS["gpt2-tiny"], None)] == ["fsdp2", "w8g8", "w8g8-b128-bf16", "w4g4", "w4g4-b1024-fp32", "w4g4-b64-bf16"]
+    # the low-bit study runs only when asked for, as a group or by name
+    lowbit = [m.key for m in select_methods(TASKS["gpt2-tiny"], ["lowbit"])]
+    assert lowbit[:2] == ["fsdp2", "w4g4"] and len(lowbit) == 2 + 19 and "w3g2-rot-ef" in lowbit
+    assert [m.key for m in select_methods(TASKS["gpt2-tiny"], ["w3g2-ef"])] == ["fsdp2", "w3g2-ef"]
     # the flags a row adds, in the loop's syntax (a pair is one comma-separated value)
     gpt2_zoadam = select_methods(TASKS["gpt2-tiny"], ["hsdp-zero_one_adam"], replicas=2)[1]
     assert loop_flags(TASKS["gpt2-tiny"], gpt2_zoadam, steps=50, eval_every=10)[-10:] == [

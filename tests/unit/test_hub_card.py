@@ -101,3 +101,11 @@ def test_a_classifier_card_lists_its_label_names_by_id(tmp_path):
     text = _saved(build_model_card(state, model_name="org/cls", label_names=["not_equivalent", "equivalent"]), tmp_path).text
     assert "## Labels" in text and "| 0 | not_equivalent |\n| 1 | equivalent |" in text
     assert "## Labels" not in _saved(build_model_card(_state(), model_name="org/lm"), tmp_path).text
+
+
+def test_low_bit_settings_are_named_on_the_wire_rows(tmp_path):
+    config = {"weight_bits": 3, "grad_bits": 2, "weight_rotation": "hadamard", "grad_rotation": "none", "grad_error_feedback": "bfloat16"}
+    text = build_model_card(_state(method_config=config), model_name="org/m", weights_dtype="float32").text
+    assert "| weights on the wire | 3-bit, Hadamard-rotated |" in text
+    assert "| gradients on the wire | 2-bit, error feedback (bfloat16 store) |" in text
+    assert '| `grad_error_feedback` | `"bfloat16"` |' in text

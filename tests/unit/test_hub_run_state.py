@@ -138,7 +138,8 @@ def test_resume_refuses_another_model_task_or_recipe(key, value):
 @pytest.mark.parametrize(
     ("method", "config", "expected"),
     [
-        ("qsdp", QSDPConfig().to_dict(), ["re-sharded on load", "seed step counter continues", "rounding noise differ"]),
+        ("qsdp", QSDPConfig().to_dict(), ["keeps no per-rank state", "re-sharded on load", "seed step counter continues", "rounding noise differ"]),
+        ("qsdp", QSDPConfig(grad_bits=2, grad_error_feedback="float32").to_dict(), ["error-feedback buffers", "restart from zero", "re-sharded on load"]),
         ("zero_one_adam", ZeroOneAdamConfig().to_dict(), ["error-feedback buffers", "reset to zero", "averaged in full precision"]),
         ("onebit_adam", {"freeze_step": 100}, ["error-feedback buffers", "reset to zero"]),
         ("none", {"parallelism": "ddp"}, ["global batch changes"]),

@@ -21,6 +21,10 @@ from qaccel.fsdp import QSDPConfig
         ({"master_weights": "fp32"}, r"QSDPConfig\.master_weights='fp32': must be one of fresh, quantized"),
         ({"master_weights": "quantized", "weight_bits": None}, r"master_weights='quantized': requires weight_bits"),
         ({"unit_min_numel": -5}, r"QSDPConfig\.unit_min_numel=-5: must be an int >= 0"),
+        ({"grad_rotation": "fft"}, r"QSDPConfig\.grad_rotation='fft': must be one of none, hadamard"),
+        ({"master_weights": "quantized", "weight_rotation": "hadamard"}, r"master_weights='quantized' with weight_rotation='hadamard'"),
+        ({"grad_error_feedback": "int8"}, r"QSDPConfig\.grad_error_feedback='int8': must be one of float32, bfloat16, or off"),
+        ({"grad_error_feedback": "float32", "grad_bits": "off"}, r"grad_error_feedback: needs grad_bits in \[2, 8\]"),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(kwargs, pattern):
@@ -173,3 +177,14 @@ def test_differences_name_each_changed_field():
     saved = QSDPConfig(weight_bits=8, grad_bits=4, seed=1)
     assert saved.differences(QSDPConfig(weight_bits=8, grad_bits=4, seed=1)) == {}
     assert saved.differences(QSDPConfig(weight_bits="off", grad_bits=4, seed=2)) == {"weight_bits": (8, None), "seed": (1, 2)}
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_low_bit_fields_mean_the_same_from_every_source(source, tmp_path):
+    rotation = SOURCES[source]("grad_rotation", "Hadamard", tmp_path)
+    assert rotation.grad_rotation == "hadamard" and rotation.grad_codec().rotation == "hadamard"
+    assert rotation.weight_codec().rotation == "none"
+    feedback = SOURCES[source]("grad_error_feedback", "bfloat16", tmp_path)
+    assert feedback.error_feedback_dtype() == torch.bfloat16
+    for spelling in ("off", "none", "false"):
+        assert SOURCES[source]("grad_error_feedback", spelling, tmp_path).error_feedback_dtype() is None

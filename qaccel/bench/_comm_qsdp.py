@@ -28,6 +28,11 @@ METHODS: dict[str, tuple[dict, torch.dtype | None]] = {
     "FSDP bf16": ({"weight_bits": None, "grad_bits": None}, torch.bfloat16),
     "QSDP W8G8": ({"weight_bits": 8, "grad_bits": 8}, None),
     "QSDP W4G4": ({"weight_bits": 4, "grad_bits": 4}, None),
+    # the low-bit settings (rotation and error feedback do not change the bytes)
+    "QSDP W4G2": ({"weight_bits": 4, "grad_bits": 2}, None),
+    "QSDP W3G3": ({"weight_bits": 3, "grad_bits": 3}, None),
+    "QSDP W3G2": ({"weight_bits": 3, "grad_bits": 2}, None),
+    "QSDP W2G2": ({"weight_bits": 2, "grad_bits": 2}, None),
 }
 MODELS = {
     "gpt2-124m": {},  # GPT2Config() defaults: 12 layers, 768 wide, 50257 vocab, 1024 positions

@@ -83,6 +83,10 @@ class QSDPHandle:
                 "quantized_numel": sum(n for n, q in plan.segments if q),
                 "weights_quantized": ag.codec is not None,
                 "grads_quantized": rs.codec is not None,
+                # what gradient error feedback holds on this rank: (P-1) chunks of the reduce-scatter
+                "error_feedback_bytes": (
+                    (self.world_size - 1) * sum(n for n, _ in plan.segments) * rs.error_dtype.itemsize if rs.error_dtype is not None else 0
+                ),
                 **({"replica_grads_quantized": ar.codec is not None} if ar is not None else {}),
             }
             for plan, ag, rs, ar in zip(

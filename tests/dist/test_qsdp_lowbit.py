@@ -217,6 +217,7 @@ def test_error_feedback_is_reported_and_saved_per_rank(saved):
         quantized_grad_elements = sum(u["shard_numel"] for u in out["describe"] if u["grads_quantized"])
         # (P-1) chunks of fp32 per quantized unit: at P=2 one shard's worth.
         assert out["error_nbytes"] == 4 * quantized_grad_elements
+        assert out["error_nbytes"] == sum(u["error_feedback_bytes"] for u in out["describe"])  # announced at install
         assert os.path.exists(os.path.join(ckpt, f"qaccel_qsdp_error_rank{rank}.safetensors"))
 
 

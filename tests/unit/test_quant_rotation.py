@@ -89,40 +89,51 @@ def _check_matches_reference(kernels, spec: PayloadSpec, slots: int, gen: torch.
     return expected
 
 
-# -- C++ == reference, bit for bit ---------------------------------------------------------------------
+# -- C++ == reference, bit for bit (test_quant_rotation_cuda.py runs the same checks on a GPU) ----------
+
+BITS = [2, 3, 4, 8]
+# Power-of-two buckets (128, 1024), an odd one (100 = 64+32+4) and several blocks (3000).
+BUCKETS = [128, 1024, 100, 3000]
 
 
-@pytest.mark.parametrize("bucket", [128, 1024, 100, 3000, 5000], ids=lambda b: f"B{b}")
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_cpu_matches_reference(cpu_kernels, bits, bucket):
-    """Power-of-two buckets, odd ones (100 = 64+32+4), several blocks (3000) and long ones (> 4096)."""
+def _bucket_id(bucket: int) -> str:
+    return f"B{bucket}"
+
+
+def _check_bits_and_bucket(kernels, bits: int, bucket: int, device: str = "cpu") -> None:
+    """Element and metadata dtypes and roundings vary with the case (every combination: ``_dtype_grid``)."""
     case = bits * 7 + bucket
     elem_dtype = DTYPES[case % 3]
     meta = (torch.float32, torch.bfloat16)[case % 2]
     rounding = ("stochastic", "nearest")[(case // 2) % 2]
     spec = PayloadSpec(SEGMENTS, bits, bucket, meta, rounding, elem_dtype, rotation="hadamard")
-    _check_matches_reference(cpu_kernels, spec, 3, torch.Generator().manual_seed(case))
+    _check_matches_reference(kernels, spec, 3, torch.Generator().manual_seed(case), device=device)
 
 
-@pytest.mark.parametrize("elem_dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("meta", [torch.float32, torch.bfloat16], ids=["meta32", "meta16"])
-@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-@pytest.mark.parametrize("bucket", [64, 24], ids=lambda b: f"B{b}")
-def test_cpu_matches_reference_dtypes(cpu_kernels, elem_dtype, meta, rounding, bucket):
+# Applied in this order, so test ids read bucket-rounding-meta-elem (as stacked decorators would give).
+_DTYPE_GRID = (
+    pytest.mark.parametrize("bucket", [64, 24], ids=_bucket_id),
+    pytest.mark.parametrize("rounding", ["stochastic", "nearest"]),
+    pytest.mark.parametrize("meta", [torch.float32, torch.bfloat16], ids=["meta32", "meta16"]),
+    pytest.mark.parametrize("elem_dtype", DTYPES, ids=["fp32", "bf16", "fp16"]),
+)
+
+
+def _dtype_grid(test):
+    """Parametrize ``test`` over every bucket (64, 24), rounding, metadata and element dtype."""
+    for mark in _DTYPE_GRID:
+        test = mark(test)
+    return test
+
+
+def _check_dtypes(kernels, elem_dtype: torch.dtype, meta: torch.dtype, rounding: str, bucket: int,
+                  device: str = "cpu") -> None:  # fmt: skip
     segments = ((700, True), (3, False), (130, True), (7, True))
     spec = PayloadSpec(segments, 4, bucket, meta, rounding, elem_dtype, rotation="hadamard")
-    _check_matches_reference(cpu_kernels, spec, 2, torch.Generator().manual_seed(bucket + len(str(meta))))
+    _check_matches_reference(kernels, spec, 2, torch.Generator().manual_seed(bucket + len(str(meta))), device=device)
 
 
-@pytest.mark.parametrize("bucket", [1, 2, 5, 8, 16, 31, 1000], ids=lambda b: f"B{b}")
-def test_cpu_matches_reference_small_and_odd_blocks(cpu_kernels, bucket):
-    """Blocks of 1..16 elements (the scalar butterflies) and every block length up to 512 (B1000)."""
-    segments = ((1003, True), (17, True))
-    spec = PayloadSpec(segments, 5, bucket, torch.float32, "stochastic", torch.float32, rotation="hadamard")
-    _check_matches_reference(cpu_kernels, spec, 2, torch.Generator().manual_seed(bucket), special=False)
-
-
-def test_cpu_matches_reference_huge_magnitudes(cpu_kernels):
+def _check_huge_magnitudes(kernels, device: str = "cpu") -> None:
     """Rotated values that overflow fp32 (non-finite buckets) and bf16 grids that round past fp32's max."""
     segments = ((4096, True), (300, True))
     for meta in (torch.float32, torch.bfloat16):
@@ -132,42 +143,74 @@ def test_cpu_matches_reference_huge_magnitudes(cpu_kernels):
         src[:256] *= 30.0  # sums of 256 values near 3e38: |r| > fp32 max, the bucket turns non-finite
         src[1000] = 3.4e38
         src[2000:2256] = -3.3e38  # a bucket near -max: bf16 lo rounds down past it
+        src = src.to(device)
         seeds = _seeds(2, len(segments), gen)
-        expected, got = torch.empty(2 * spec.nbytes, dtype=torch.uint8), torch.empty(2 * spec.nbytes, dtype=torch.uint8)
+        expected = torch.empty(2 * spec.nbytes, dtype=torch.uint8, device=device)
+        got = torch.empty_like(expected)
         reference.encode_payloads(src, spec, [0, spec.numel], seeds, expected)
-        cpu_kernels.encode_payloads(src, spec, [0, spec.numel], seeds, got)
+        kernels.encode_payloads(src, spec, [0, spec.numel], seeds, got)
         assert torch.equal(expected, got)
-        ref, out = torch.empty(2 * spec.numel), torch.empty(2 * spec.numel)
+        ref, out = torch.empty(2 * spec.numel, device=device), torch.empty(2 * spec.numel, device=device)
         reference.decode_payloads(expected, spec, ref, [0, spec.numel], seeds)
-        cpu_kernels.decode_payloads(expected, spec, out, [0, spec.numel], seeds)
+        kernels.decode_payloads(expected, spec, out, [0, spec.numel], seeds)
         assert _bits_equal(ref, out)
         assert ref.isnan().any() and ref.isfinite().any()
 
 
-def test_zero_buckets(cpu_kernels):
-    """All-zero buckets rotate to mixed +-0: same codes and scale, lo equal as a value, same decode.
+def _check_zero_buckets(kernels, device: str = "cpu") -> None:
+    """All-zero buckets rotate to mixed +-0: same codes and scales, lo equal as a value, same decode.
 
     The sign of a zero min is unspecified (reference module docstring, step 3): torch's amin keeps
-    whichever zero its reduction meets first, the C++ kernels the smaller key (-0.0).
+    whichever zero its reduction meets first, the C++ and CUDA kernels the smaller key (-0.0).
     """
     segments = ((1024, True), (640, True))
     spec = PayloadSpec(segments, 4, 128, torch.float32, "stochastic", torch.float32, rotation="hadamard")
     src = torch.zeros(spec.numel)
     src[1024 + 128 : 1024 + 256] = torch.randn(128, generator=torch.Generator().manual_seed(0))
+    src = src.to(device)
     seeds = torch.tensor([[11, -7]], dtype=torch.int64)
-    expected, got = torch.empty(spec.nbytes, dtype=torch.uint8), torch.empty(spec.nbytes, dtype=torch.uint8)
+    expected = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+    got = torch.empty_like(expected)
     reference.encode_payloads(src, spec, [0], seeds, expected)
-    cpu_kernels.encode_payloads(src, spec, [0], seeds, got)
+    kernels.encode_payloads(src, spec, [0], seeds, got)
     meta = slice(spec.meta_offset, spec.meta_offset + 4 * spec.num_buckets)
     assert torch.equal(expected[: spec.meta_offset], got[: spec.meta_offset]), "codes differ"
     assert torch.equal(expected[meta.stop :], got[meta.stop :]), "scales differ"
     assert torch.equal(expected[meta].view(torch.float32), got[meta].view(torch.float32)), "lo differs in value"
     for blob in (expected, got):
-        ref, out = torch.empty(spec.numel), torch.empty(spec.numel)
+        ref, out = torch.empty(spec.numel, device=device), torch.empty(spec.numel, device=device)
         reference.decode_payloads(blob, spec, ref, [0], seeds)
-        cpu_kernels.decode_payloads(blob, spec, out, [0], seeds)
+        kernels.decode_payloads(blob, spec, out, [0], seeds)
         assert _bits_equal(ref, out)
-        assert torch.equal(out[:1024], torch.zeros(1024))
+        assert torch.equal(out[:1024], torch.zeros(1024, device=device))
+
+
+@pytest.mark.parametrize("bucket", [*BUCKETS, 5000], ids=_bucket_id)
+@pytest.mark.parametrize("bits", BITS)
+def test_cpu_matches_reference(cpu_kernels, bits, bucket):
+    """The shared buckets and a long one (> 4096)."""
+    _check_bits_and_bucket(cpu_kernels, bits, bucket)
+
+
+@_dtype_grid
+def test_cpu_matches_reference_dtypes(cpu_kernels, elem_dtype, meta, rounding, bucket):
+    _check_dtypes(cpu_kernels, elem_dtype, meta, rounding, bucket)
+
+
+@pytest.mark.parametrize("bucket", [1, 2, 5, 8, 16, 31, 1000], ids=_bucket_id)
+def test_cpu_matches_reference_small_and_odd_blocks(cpu_kernels, bucket):
+    """Blocks of 1..16 elements (the scalar butterflies) and every block length up to 512 (B1000)."""
+    segments = ((1003, True), (17, True))
+    spec = PayloadSpec(segments, 5, bucket, torch.float32, "stochastic", torch.float32, rotation="hadamard")
+    _check_matches_reference(cpu_kernels, spec, 2, torch.Generator().manual_seed(bucket), special=False)
+
+
+def test_cpu_matches_reference_huge_magnitudes(cpu_kernels):
+    _check_huge_magnitudes(cpu_kernels)
+
+
+def test_zero_buckets(cpu_kernels):
+    _check_zero_buckets(cpu_kernels)
 
 
 def test_thread_count_does_not_change_results(cpu_kernels):

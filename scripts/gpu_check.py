@@ -18,11 +18,14 @@ Sections (``--sections`` picks a subset; ``docs/gpu_runbook.md`` explains each a
   mixed precision), and the QSDP collectives called directly over the 1-rank NCCL group;
 - ``zero_one_adam``: 0/1 Adam on the GPU under DDP over NCCL: moments against ``torch.optim.Adam``,
   the update against the documented formula, and a run through every step kind against a plain loop;
-- ``cross_backend``: the C++ kernels agree with the CUDA kernels bit for bit.
+- ``cross_backend``: the C++ kernels agree with the CUDA kernels bit for bit;
+- ``payloads_rotated``: the fused payload kernels with ``PayloadSpec(rotation="hadamard")`` against the
+  reference (bytes; decoded and summed values, NaN in the same places), and rotated against plain
+  encode/decode/sum time.
 
 Every section is guarded: a failure is recorded in the JSON (``--json``, rewritten after each section,
-so a timeout keeps what finished) and the others still run. Exit status 0 when every section that
-ran passed; 1 otherwise, or when no CUDA device is visible.
+so a timeout keeps what finished) and the others still run; a section's ``summary`` is printed too.
+Exit status 0 when every section that ran passed; 1 otherwise, or when no CUDA device is visible.
 """
 
 from __future__ import annotations
@@ -55,9 +58,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 SPECIALS = [math.nan, math.inf, -math.inf, 3e38, -3e38, 0.0, -0.0, 1e-40]
 
-SECTIONS = ("bit_identical", "bandwidth", "fp64", "bitsandbytes", "payloads", "fsdp_smoke", "zero_one_adam", "cross_backend")
+# payloads_rotated runs last: its kernels have not run on a GPU before, and a fault in one leaves the
+# CUDA context unusable for every section after it.
+SECTIONS = ("bit_identical", "bandwidth", "fp64", "bitsandbytes", "payloads", "fsdp_smoke", "zero_one_adam", "cross_backend",
+            "payloads_rotated")  # fmt: skip
 # Sections that call the CUDA codec kernels directly; they are skipped when the JIT build fails.
-KERNEL_SECTIONS = frozenset({"bit_identical", "bandwidth", "fp64", "bitsandbytes", "payloads", "cross_backend"})
+KERNEL_SECTIONS = frozenset({"bit_identical", "bandwidth", "fp64", "bitsandbytes", "payloads", "cross_backend", "payloads_rotated"})
 LOSS_RTOL = 0.02  # QSDP vs stock FSDP2: final losses within 2 %
 
 # Datasheet figures by device name, matched on whole words of the name (so "GH200" is not "H200" and
@@ -546,7 +552,7 @@ def _payload_seeds(slots: int, nseg: int, base: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(slots, nseg)
 
 
-def _payload_inputs(numel: int, slots: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, list[int]]:
+def _payload_inputs(numel: int, slots: int, dtype: torch.dtype, seed: int, device: str = "cuda") -> tuple[torch.Tensor, list[int]]:
     """``slots`` chunks of ``numel`` values, with a gap between chunks and NaN/Inf in the first one."""
     generator = torch.Generator().manual_seed(seed)
     gap = 7
@@ -554,73 +560,224 @@ def _payload_inputs(numel: int, slots: int, dtype: torch.dtype, seed: int) -> tu
     if numel > 64:
         src[5], src[40], src[41] = math.nan, math.inf, -math.inf
     offsets = [3 + slot * (numel + gap) for slot in range(slots)]
-    return src.to(dtype).cuda(), offsets
+    return src.to(dtype).to(device), offsets
 
 
-def section_payloads(ctx: Context) -> dict:
-    """The CUDA build's fused payload calls against the reference's, bit for bit; then their speed."""
+def _payload_support(kernels) -> dict | None:
+    """Why the payload sections cannot run (a ``skipped`` or failing report), or None when they can."""
     import qaccel.quant as quant
 
     missing = [name for name in PAYLOAD_FUNCTIONS if not hasattr(quant, name)]
     if missing:
         return {"skipped": f"not available: qaccel.quant has no {', '.join(missing)}"}
-    missing = [f"the CUDA build has no {name}" for name in PAYLOAD_FUNCTIONS[1:] if not hasattr(ctx.kernels, name)]
+    missing = [f"the CUDA build has no {name}" for name in PAYLOAD_FUNCTIONS[1:] if not hasattr(kernels, name)]
     missing += [f"qaccel.quant.reference has no {name}" for name in PAYLOAD_FUNCTIONS[1:] if not hasattr(reference, name)]
-    if missing:
-        return {"ok": False, "error": "; ".join(missing)}
+    return {"ok": False, "error": "; ".join(missing)} if missing else None
+
+
+def _compare_payloads(kernels, spec, slots: int, case_seed: int, device: str, cpu_reference: bool) -> dict:
+    """``kernels``' fused calls against the reference's on ``device``, for ``slots`` payloads of ``spec``.
+
+    Encode: the bytes. Decode and sum (into fp32 and into the element dtype) read the reference's
+    bytes, so a wrong encode does not hide a right decode; their values must be equal with NaN in the
+    same places (NaN payload bits may differ). A rotated spec decodes with the encode's seed table.
+    """
+    numel, nbytes = spec.numel, spec.nbytes
+    src, offsets = _payload_inputs(numel, slots, spec.elem_dtype, 1000 + case_seed, device)
+    seeds = _payload_seeds(slots, len(spec.segments), 77 * case_seed)
+    decode_seeds = seeds if spec.rotated else None
+    blob = torch.full((slots * nbytes,), 0xA5, dtype=torch.uint8, device=device)
+    blob_ref = torch.full_like(blob, 0x5A)
+    kernels.encode_payloads(src, spec, offsets, seeds, blob)
+    reference.encode_payloads(src, spec, offsets, seeds, blob_ref)
+    result = {"encode": torch.equal(blob, blob_ref)}
+    if cpu_reference:  # the reference on the CPU writes the same bytes (codes do not depend on the device)
+        blob_cpu = torch.zeros(slots * nbytes, dtype=torch.uint8)
+        reference.encode_payloads(src.cpu(), spec, offsets, seeds, blob_cpu)
+        result["encode_cpu_reference"] = torch.equal(blob.cpu(), blob_cpu)
+    out_offsets = [slot * numel for slot in range(slots)]
+    out = torch.full((slots * numel,), 7.0, dtype=spec.elem_dtype, device=device)  # the all-gather decodes into elem dtype
+    out_ref = out.clone()
+    kernels.decode_payloads(blob_ref, spec, out, out_offsets, decode_seeds)
+    reference.decode_payloads(blob_ref, spec, out_ref, out_offsets, decode_seeds)
+    result["decode"] = _same_values(out, out_ref)
+    base = torch.linspace(-1, 1, numel, device=device).to(spec.elem_dtype)
+    for out_dtype in dict.fromkeys((torch.float32, spec.elem_dtype)):  # the reduce-scatter sums into fp32 or elem dtype
+        total = torch.empty(numel, dtype=out_dtype, device=device)
+        total_ref = torch.empty_like(total)
+        kernels.sum_payloads(blob_ref, spec, base, total, decode_seeds)
+        reference.sum_payloads(blob_ref, spec, base, total_ref, decode_seeds)
+        result[f"sum_{str(out_dtype).removeprefix('torch.')}"] = _same_values(total, total_ref)
+    return result
+
+
+def _case_identical(case: dict) -> bool:
+    """Every comparison of a payload case (its boolean entries) came out equal."""
+    return all(value for value in case.values() if isinstance(value, bool))
+
+
+def _check_payload_layouts(kernels, layouts: Sequence[tuple], rotation: str, device: str, seed_base: int,
+                           cpu_reference_layouts: int) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """Every layout through :func:`_compare_payloads` (the first ``cpu_reference_layouts`` also against
+    the reference on the CPU): ``(cases, failures)``; one layout's exception is recorded, the others run."""
+    from qaccel.quant import PayloadSpec
+
+    cases, failures = [], []
+    for index, (segments, bits, bucket, meta, rounding, elem, slots) in enumerate(layouts):
+        try:
+            spec = PayloadSpec(segments=segments, bits=bits, bucket_size=bucket, meta_dtype=meta, rounding=rounding,
+                               elem_dtype=elem, rotation=rotation)  # fmt: skip
+            result = {"layout": index, "slots": slots, "bits": bits, "bucket_size": bucket,
+                      **_compare_payloads(kernels, spec, slots, seed_base + index, device, index < cpu_reference_layouts)}  # fmt: skip
+            cases.append(result)
+            if not _case_identical(result):
+                failures.append(result)
+        except Exception:
+            failures.append({"layout": index, "error": traceback.format_exc()[-2000:]})
+    return cases, failures
+
+
+def _payload_speed(kernels, spec, src: torch.Tensor, offsets: list[int], seeds: torch.Tensor,
+                   timer: Callable[[Callable[[], object]], float]) -> dict:  # fmt: skip
+    """``timer``'s time (ms) of one fused encode, decode and sum of ``len(offsets)`` payloads, and GB/s.
+
+    Called as QSDP calls them: seeds and offsets from the CPU; a rotated decode and sum get the seeds.
+    """
+    slots, numel, nbytes = len(offsets), spec.numel, spec.nbytes
+    decode_seeds = seeds if spec.rotated else None
+    blob = torch.empty(slots * nbytes, dtype=torch.uint8, device=src.device)
+    kernels.encode_payloads(src, spec, offsets, seeds, blob)
+    out_offsets = [slot * numel for slot in range(slots)]
+    out = torch.empty(slots * numel, dtype=spec.elem_dtype, device=src.device)
+    total = torch.empty(numel, dtype=torch.float32, device=src.device)
+    base = src[offsets[0] : offsets[0] + numel]
+    enc_ms = timer(lambda: kernels.encode_payloads(src, spec, offsets, seeds, blob))
+    dec_ms = timer(lambda: kernels.decode_payloads(blob, spec, out, out_offsets, decode_seeds))
+    sum_ms = timer(lambda: kernels.sum_payloads(blob, spec, base, total, decode_seeds))
+    elem_bytes = slots * numel * src.element_size()
+    return {
+        "encode_ms": enc_ms, "decode_ms": dec_ms, "sum_ms": sum_ms,
+        "encode_gbps": (elem_bytes + slots * nbytes) / enc_ms / 1e6,
+        "decode_gbps": (elem_bytes + slots * nbytes) / dec_ms / 1e6,
+        "sum_gbps": (slots * nbytes + 2 * 4 * numel) / sum_ms / 1e6,
+    }  # fmt: skip
+
+
+def section_payloads(ctx: Context) -> dict:
+    """The CUDA build's fused payload calls against the reference's, bit for bit; then their speed."""
+    unsupported = _payload_support(ctx.kernels)
+    if unsupported is not None:
+        return unsupported
+    from qaccel.quant import PayloadSpec
+
     # The CUDA build's functions, called directly: the public ones would fall back to the reference
     # (and compare it with itself) if QACCEL_KERNELS or a failed build said so.
-    cuda = ctx.kernels
-    cases, failures, timings = [], [], []
-    for index, (segments, bits, bucket, meta, rounding, elem, slots) in enumerate(PAYLOAD_LAYOUTS):
+    cases, failures = _check_payload_layouts(ctx.kernels, PAYLOAD_LAYOUTS, "none", "cuda", 0, 4)
+    timings = []
+    for index, (segments, bits, bucket, meta, rounding, elem, slots) in enumerate(PAYLOAD_LAYOUTS[4:], start=4):  # GPT-2 blocks
         try:
-            spec = quant.PayloadSpec(segments=segments, bits=bits, bucket_size=bucket, meta_dtype=meta, rounding=rounding, elem_dtype=elem)
-            numel, nbytes = sum(n for n, _ in segments), spec.nbytes
-            src, offsets = _payload_inputs(numel, slots, elem, 1000 + index)
-            seeds = _payload_seeds(slots, len(segments), 77 * index)
-            blob = torch.full((slots * nbytes,), 0xA5, dtype=torch.uint8, device="cuda")
-            blob_ref = torch.full_like(blob, 0x5A)
-            cuda.encode_payloads(src, spec, offsets, seeds, blob)
-            reference.encode_payloads(src, spec, offsets, seeds, blob_ref)
-            result = {"layout": index, "slots": slots, "bits": bits, "encode": torch.equal(blob, blob_ref)}
-            if index < 4:  # the reference on the CPU writes the same bytes (codes do not depend on the device)
-                blob_cpu = torch.zeros(slots * nbytes, dtype=torch.uint8)
-                reference.encode_payloads(src.cpu(), spec, offsets, seeds, blob_cpu)
-                result["encode_cpu_reference"] = torch.equal(blob.cpu(), blob_cpu)
-            out_offsets = [slot * numel for slot in range(slots)]
-            out = torch.full((slots * numel,), 7.0, dtype=elem, device="cuda")  # the all-gather decodes into elem dtype
-            out_ref = out.clone()
-            cuda.decode_payloads(blob_ref, spec, out, out_offsets)
-            reference.decode_payloads(blob_ref, spec, out_ref, out_offsets)
-            result["decode"] = _same_values(out, out_ref)
-            base = torch.linspace(-1, 1, numel, device="cuda").to(elem)
-            for out_dtype in dict.fromkeys((torch.float32, elem)):  # the reduce-scatter sums into fp32 or elem dtype
-                total = torch.empty(numel, dtype=out_dtype, device="cuda")
-                total_ref = torch.empty_like(total)
-                cuda.sum_payloads(blob_ref, spec, base, total)
-                reference.sum_payloads(blob_ref, spec, base, total_ref)
-                result[f"sum_{str(out_dtype).removeprefix('torch.')}"] = _same_values(total, total_ref)
-            cases.append(result)
-            if not all(v for k, v in result.items() if isinstance(v, bool)):
-                failures.append(result)
-            if index >= 4:  # timing on the GPT-2 block layouts
-                out = torch.empty(slots * numel, dtype=elem, device="cuda")
-                total = torch.empty(numel, dtype=torch.float32, device="cuda")
-                base = src[offsets[0] : offsets[0] + numel]
-                enc_ms = _median_ms(lambda a=(src, spec, offsets, seeds, blob): cuda.encode_payloads(*a), ctx.args.repeats)
-                dec_ms = _median_ms(lambda a=(blob, spec, out, out_offsets): cuda.decode_payloads(*a), ctx.args.repeats)
-                sum_ms = _median_ms(lambda a=(blob, spec, base, total): cuda.sum_payloads(*a), ctx.args.repeats)
-                elem_bytes = slots * numel * src.element_size()
-                timings.append({
-                    "layout": index, "slots": slots, "bits": bits, "chunk_numel": numel, "payload_bytes": nbytes,
-                    "encode_ms": enc_ms, "decode_ms": dec_ms, "sum_ms": sum_ms,
-                    "encode_gbps": _rate(elem_bytes + slots * nbytes, enc_ms, ctx)["gbps"],
-                    "decode_gbps": _rate(elem_bytes + slots * nbytes, dec_ms, ctx)["gbps"],
-                    "sum_gbps": _rate(slots * nbytes + 2 * 4 * numel, sum_ms, ctx)["gbps"],
-                })  # fmt: skip
-        except Exception:  # one layout's failure is recorded; the others still run
+            spec = PayloadSpec(segments=segments, bits=bits, bucket_size=bucket, meta_dtype=meta, rounding=rounding, elem_dtype=elem)
+            src, offsets = _payload_inputs(spec.numel, slots, elem, 1000 + index)
+            speed = _payload_speed(ctx.kernels, spec, src, offsets, _payload_seeds(slots, len(segments), 77 * index),
+                                   lambda fn: _median_ms(fn, ctx.args.repeats))  # fmt: skip
+            timings.append({"layout": index, "slots": slots, "bits": bits, "chunk_numel": spec.numel,
+                            "payload_bytes": spec.nbytes, **speed})  # fmt: skip
+        except Exception:
             failures.append({"layout": index, "error": traceback.format_exc()[-2000:]})
     return {"cases": cases, "failures": failures, "timings": timings, "ok": not failures}
+
+
+# --------------------------------------------------------------------------------------------------
+# Hadamard-rotated payloads (PayloadSpec(rotation="hadamard"), docs/kernels.md "Hadamard rotation")
+# --------------------------------------------------------------------------------------------------
+ROTATED_PAYLOAD_LAYOUTS = (
+    # segments, bits, bucket, meta dtype, rounding, element dtype, slots (as PAYLOAD_LAYOUTS). Buckets of
+    # one block (128), of several power-of-two blocks (1000 = 512+256+128+64+32+8), of two full blocks
+    # (2048), ragged segments shorter than a bucket, empty and raw segments; NaN/Inf in the first slot.
+    (((65_537, True), (1_000, False), (4_096, True)), 4, 128, torch.bfloat16, "stochastic", torch.bfloat16, 2),
+    (((100_003, True), (17, False)), 3, 1000, torch.float32, "nearest", torch.float16, 3),
+    (((70_001, True), (63, True)), 2, 2048, torch.bfloat16, "stochastic", torch.float32, 4),
+    (((262_147, True), (769, False), (12_293, True)), 8, 1024, torch.float32, "stochastic", torch.float32, 2),
+    (((0, True), (1, False), (9, True), (3, False), (2_500, True), (63, True), (7, False), (1_030, True)),
+     5, 100, torch.float32, "stochastic", torch.bfloat16, 3),
+)  # fmt: skip
+# Rotated against plain speed: label, segments, bits, bucket, meta dtype, slots; fp32 elements, stochastic
+# rounding. Slots None: as many GPT-2 block chunks as --numel values hold, so that the kernels and not
+# the launch and the per-call offset copy set the time; the others are one QSDP reduce-scatter's send.
+ROTATION_TIMINGS = (
+    ("gpt2_block_ws4", _gpt2_block_segments(4), 4, 128, torch.bfloat16, 3),
+    ("gpt2_block_ws4", _gpt2_block_segments(4), 8, 1024, torch.float32, 3),
+    ("numel", _gpt2_block_segments(1), 4, 128, torch.bfloat16, None),
+    ("numel", _gpt2_block_segments(1), 8, 1024, torch.float32, None),
+)
+
+
+def rotation_summary(cases: Sequence[dict], layouts: int, timings: Sequence[dict]) -> str:
+    """One line: how many rotated layouts matched the reference, and rotated / plain time per timed row."""
+    identical = sum(1 for case in cases if _case_identical(case))
+    parts = [f"{identical}/{layouts} rotated layouts identical to the reference"]
+    for row in timings:
+        parts.append(f"{row['bits']}-bit b{row['bucket_size']} x{row['slots']} {row['label']}: rotated/plain "
+                     f"encode {row['encode_ratio']:.2f}x, decode {row['decode_ratio']:.2f}x, sum {row['sum_ratio']:.2f}x")  # fmt: skip
+    return "; ".join(parts)
+
+
+def _rotation_speed(kernels, row: tuple, device: str, timer: Callable[[Callable[[], object]], float], numel: int) -> dict:
+    """One ``ROTATION_TIMINGS`` row timed plain and rotated on the same values, and the ratios."""
+    from qaccel.quant import PayloadSpec
+
+    label, segments, bits, bucket, meta, slots = row
+    specs = {rotation: PayloadSpec(segments=segments, bits=bits, bucket_size=bucket, meta_dtype=meta, rotation=rotation)
+             for rotation in ("none", "hadamard")}  # fmt: skip
+    chunk = specs["none"].numel
+    slots = slots or max(1, numel // chunk)
+    src = torch.randn(slots * chunk, device=device, generator=torch.Generator(device).manual_seed(bits))
+    offsets = [slot * chunk for slot in range(slots)]
+    seeds = _payload_seeds(slots, len(segments), 5)
+    plain = _payload_speed(kernels, specs["none"], src, offsets, seeds, timer)
+    rotated = _payload_speed(kernels, specs["hadamard"], src, offsets, seeds, timer)
+    return {
+        "label": label, "bits": bits, "bucket_size": bucket, "meta_dtype": str(meta).removeprefix("torch."),
+        "slots": slots, "chunk_numel": chunk, "payload_bytes": specs["none"].nbytes, "plain": plain, "rotated": rotated,
+        **{f"{op}_ratio": rotated[f"{op}_ms"] / plain[f"{op}_ms"] for op in ("encode", "decode", "sum")},
+    }  # fmt: skip
+
+
+def payload_rotation_report(kernels, device: str, timer: Callable[[Callable[[], object]], float], numel: int) -> dict:
+    """Rotated payloads of ``kernels`` against the reference on ``device``; then rotated vs plain speed.
+
+    ``timer(fn)`` returns the time of one call in ms; ``numel`` sizes the ``ROTATION_TIMINGS`` rows
+    without a slot count. The GPU section passes the CUDA kernels, "cuda" and CUDA-event medians;
+    tests/unit/test_gpu_check_script.py passes the C++ kernels, "cpu" and a wall-clock timer.
+    """
+    unsupported = _payload_support(kernels)
+    if unsupported is not None:
+        return unsupported
+    from qaccel.quant import PayloadSpec
+
+    if not hasattr(PayloadSpec, "rotated"):
+        return {"skipped": "not available: qaccel.quant.PayloadSpec has no rotation"}
+    cases, failures = _check_payload_layouts(kernels, ROTATED_PAYLOAD_LAYOUTS, "hadamard", device, 100,
+                                             len(ROTATED_PAYLOAD_LAYOUTS))  # fmt: skip
+    timings = []
+    for row in ROTATION_TIMINGS:
+        try:
+            timings.append(_rotation_speed(kernels, row, device, timer, numel))
+        except Exception:
+            failures.append({"timing": row[0], "bits": row[2], "error": traceback.format_exc()[-2000:]})
+    return {
+        "cases": cases,
+        "failures": failures,
+        "timings": timings,
+        "ratio": "rotated time / plain time of the same call on the same values (above 1: rotation costs that much more)",
+        "summary": rotation_summary(cases, len(ROTATED_PAYLOAD_LAYOUTS), timings),
+        "ok": not failures,
+    }
+
+
+def section_payloads_rotated(ctx: Context) -> dict:
+    """The CUDA build's rotated payloads against the reference, bit for bit; then rotated vs plain speed."""
+    return payload_rotation_report(ctx.kernels, "cuda", lambda fn: _median_ms(fn, ctx.args.repeats), ctx.args.numel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1026,6 +1183,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Context], dict]] = {
     "fsdp_smoke": section_fsdp_smoke,
     "zero_one_adam": section_zero_one_adam,
     "cross_backend": section_cross_backend,
+    "payloads_rotated": section_payloads_rotated,
 }
 
 
@@ -1087,6 +1245,8 @@ def main(argv: list[str] | None = None) -> int:
             save()
             sys.stdout.write(f"gpu_check: {name}: {'FAILED' if section_failed(report[name]) else 'done'} "
                              f"in {report[name]['section_seconds']:.1f} s\n")  # fmt: skip
+            if isinstance(report[name].get("summary"), str):
+                sys.stdout.write(f"gpu_check: {name}: {report[name]['summary']}\n")
             sys.stdout.flush()
             torch.cuda.empty_cache()
     finally:

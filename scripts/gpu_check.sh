@@ -6,7 +6,8 @@
 # dequantize_blockwise when bitsandbytes imports (or installs from wheels carried in .whl/; nothing
 # is fetched from the network); checks the fused payload kernels; trains a small GPT-2 with FSDP2 +
 # QSDP W8G8 over a 1-rank NCCL group next to stock FSDP2 (fp32 and bf16); runs 0/1 Adam steps under
-# DDP over NCCL against torch.optim.Adam and a plain loop; and checks the C++ kernels against CUDA.
+# DDP over NCCL against torch.optim.Adam and a plain loop; checks the C++ kernels against CUDA; and,
+# last, checks the Hadamard-rotated payload kernels against the reference and times them against plain.
 # Budget: under 8 minutes on an H200 (stopped at 470 s; the JSON keeps every finished section).
 #
 # Usage: scripts/gpu_check.sh [OUTPUT.json] [gpu_check.py options, e.g. --sections fp64,fsdp_smoke]

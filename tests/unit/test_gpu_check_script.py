@@ -8,12 +8,15 @@ refusal on a machine without CUDA, and the FSDP2 + QSDP and 0/1 Adam sections ru
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +153,7 @@ def test_help_and_refusal_without_cuda(tmp_path):
         pytest.skip("this machine has a GPU: the refusal cannot be observed")
     shown = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120, env=_cpu_env())
     assert shown.returncode == 0 and "--sections" in shown.stdout and "fsdp_smoke" in shown.stdout
+    assert "payloads_rotated" in shown.stdout
     report = tmp_path / "out" / "report.json"
     ran = subprocess.run([sys.executable, str(SCRIPT), "--json", str(report), "--sections", "fp64"],
                          capture_output=True, text=True, timeout=120, env=_cpu_env())  # fmt: skip
@@ -213,3 +217,136 @@ def test_training_sections_pass_on_cpu_over_gloo():
     kinds = zoadam["all_step_kinds"]
     assert kinds["ok"] and kinds["all_kinds_seen"] and kinds["weights_vs_plain_loop"] <= 1e-4, kinds
     assert zoadam["ok"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The payload sections' code on the CPU: the C++ kernels stand in for the CUDA build. They match the
+# reference bit for bit by their own tests (test_quant_rotation.py), so the checks must pass with them,
+# and must fail when a deliberate fault is put between them and the check.
+# --------------------------------------------------------------------------------------------------
+def _wall_clock_ms(fn) -> float:
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def test_rotation_summary_reads_hand_written_rows():
+    cases = [{"layout": 0, "encode": True, "decode": True}, {"layout": 1, "encode": True, "decode": False}]
+    timings = [{"label": "numel", "bits": 4, "bucket_size": 128, "slots": 37, "encode_ratio": 1.3, "decode_ratio": 2.044,
+                "sum_ratio": 1.999}]  # fmt: skip
+    assert gc.rotation_summary(cases, 3, timings) == (
+        "1/3 rotated layouts identical to the reference; "
+        "4-bit b128 x37 numel: rotated/plain encode 1.30x, decode 2.04x, sum 2.00x"
+    )
+    assert gc.rotation_summary([], 5, []) == "0/5 rotated layouts identical to the reference"
+
+
+def test_rotated_section_is_a_kernel_section_run_last():
+    assert gc.SECTIONS[-1] == "payloads_rotated" and "payloads_rotated" in gc.KERNEL_SECTIONS
+    assert gc.parse_sections("payloads_rotated,payloads") == ["payloads", "payloads_rotated"]
+    assert gc.SECTION_FUNCTIONS["payloads_rotated"] is gc.section_payloads_rotated
+    assert not gc.overall_ok({"build": {"ok": False}, "payloads_rotated": {"skipped": "no build"}}, ["payloads_rotated"])
+
+
+def test_rotated_payloads_pass_with_the_cpp_kernels_standing_in(cpu_kernels, monkeypatch):
+    small = gc._gpt2_block_segments(64)
+    chunk = sum(n for n, _ in small)
+    monkeypatch.setattr(gc, "ROTATION_TIMINGS", (("fill", small, 4, 128, torch.bfloat16, None),
+                                                 ("fixed", small, 8, 1024, torch.float32, 2)))  # fmt: skip
+    report = gc.payload_rotation_report(cpu_kernels, "cpu", _wall_clock_ms, 3 * chunk + 5)
+    assert report["ok"] and report["failures"] == [], report["failures"]
+    layouts = gc.ROTATED_PAYLOAD_LAYOUTS
+    # the layouts asked for: 4-bit b128 bf16 metadata, 3-bit, 2-bit, 8-bit b1024 fp32, ragged with raw segments
+    assert (4, 128, torch.bfloat16) in {(bits, bucket, meta) for _, bits, bucket, meta, *_ in layouts}
+    assert (8, 1024, torch.float32) in {(bits, bucket, meta) for _, bits, bucket, meta, *_ in layouts}
+    assert {3, 2} <= {bits for _, bits, *_ in layouts}
+    assert any(sum(not q for _, q in segments) >= 2 and any(n == 0 for n, _ in segments) for segments, *_ in layouts)
+    assert [case["layout"] for case in report["cases"]] == list(range(len(layouts)))
+    for case, (_, bits, bucket, *_, elem, slots) in zip(report["cases"], layouts, strict=True):
+        flags = {"encode", "encode_cpu_reference", "decode", "sum_float32", f"sum_{str(elem).removeprefix('torch.')}"}
+        assert {key for key, value in case.items() if isinstance(value, bool)} == flags, case
+        assert all(case[key] for key in flags) and (case["bits"], case["bucket_size"], case["slots"]) == (bits, bucket, slots)
+    fill, fixed = report["timings"]
+    assert (fill["slots"], fill["chunk_numel"], fixed["slots"]) == (3, chunk, 2)  # --numel holds 3 chunks
+    for row in report["timings"]:
+        for op in ("encode", "decode", "sum"):
+            assert row["plain"][f"{op}_ms"] > 0 and row["rotated"][f"{op}_ms"] > 0
+            assert row[f"{op}_ratio"] == pytest.approx(row["rotated"][f"{op}_ms"] / row["plain"][f"{op}_ms"])
+    assert report["summary"].startswith(f"{len(layouts)}/{len(layouts)} rotated layouts identical to the reference; ")
+    assert "4-bit b128 x3 fill: rotated/plain encode" in report["summary"]
+    json.dumps(report)  # the JSON report takes it as it is
+
+
+def test_unrotated_payload_checks_pass_with_the_cpp_kernels_standing_in(cpu_kernels):
+    """section_payloads' comparisons, shared with the rotated section, on its first four layouts."""
+    cases, failures = gc._check_payload_layouts(cpu_kernels, gc.PAYLOAD_LAYOUTS[:4], "none", "cpu", 0, 4)
+    assert failures == [] and len(cases) == 4
+    assert all(case["encode"] and case["encode_cpu_reference"] and case["decode"] and case["sum_float32"] for case in cases)
+
+
+class _FaultyKernels:
+    """The C++ kernels with one deliberate fault between them and the check, as a CUDA build might have it."""
+
+    def __init__(self, kernels, fault: str) -> None:
+        self.kernels, self.fault, self.nan_bits_flipped = kernels, fault, 0
+
+    def encode_payloads(self, src, spec, offsets, seeds, out):
+        if self.fault == "encode_forgets_rotation":
+            spec = dataclasses.replace(spec, rotation="none")
+        return self.kernels.encode_payloads(src, spec, offsets, seeds, out)
+
+    def decode_payloads(self, blob, spec, out, offsets, seeds=None):
+        if self.fault == "decode_forgets_inverse_rotation":
+            self.kernels.decode_payloads(blob, dataclasses.replace(spec, rotation="none"), out, offsets)
+        else:
+            self.kernels.decode_payloads(blob, spec, out, offsets, seeds)
+        nan = out.isnan()
+        if self.fault == "decode_other_nan_bits":  # still NaN, another payload: must pass
+            out.view(gc.INT_VIEW[out.dtype])[nan] ^= 1
+            self.nan_bits_flipped += int(nan.sum())
+        if self.fault == "decode_nan_elsewhere":
+            out[int((~nan).nonzero()[0])] = math.nan
+        return out
+
+    def sum_payloads(self, blob, spec, base, out, seeds=None):
+        if self.fault == "sum_raises":
+            raise RuntimeError("deliberate fault in sum_payloads")
+        if self.fault == "sum_with_other_slots_seeds":
+            seeds = seeds.flip(0)
+        return self.kernels.sum_payloads(blob, spec, base, out, seeds)
+
+
+@pytest.mark.parametrize(
+    ("fault", "wrong"),
+    [
+        ("encode_forgets_rotation", {"encode", "encode_cpu_reference"}),
+        ("decode_forgets_inverse_rotation", {"decode"}),
+        ("decode_nan_elsewhere", {"decode"}),
+        ("decode_other_nan_bits", set()),  # NaN positions are compared, not NaN bit patterns
+        ("sum_with_other_slots_seeds", {"sum_float32", "sum_bfloat16"}),
+    ],
+)
+def test_rotated_check_reports_a_faulty_kernel(cpu_kernels, monkeypatch, fault, wrong):
+    monkeypatch.setattr(gc, "ROTATED_PAYLOAD_LAYOUTS", gc.ROTATED_PAYLOAD_LAYOUTS[:1])  # 4-bit b128, 2 slots, NaN/Inf
+    monkeypatch.setattr(gc, "ROTATION_TIMINGS", ())
+    faulty = _FaultyKernels(cpu_kernels, fault)
+    report = gc.payload_rotation_report(faulty, "cpu", _wall_clock_ms, 0)
+    (case,) = report["cases"]
+    assert {key for key, value in case.items() if value is False} == wrong, case
+    assert report["ok"] is not bool(wrong) and report["failures"] == ([case] if wrong else [])
+    assert report["summary"] == f"{0 if wrong else 1}/1 rotated layouts identical to the reference"
+    if fault == "decode_other_nan_bits":
+        assert faulty.nan_bits_flipped > 0  # the inputs' NaN reached the decoded output
+
+
+def test_rotated_check_records_each_exception_and_carries_on(cpu_kernels, monkeypatch):
+    monkeypatch.setattr(gc, "ROTATED_PAYLOAD_LAYOUTS", gc.ROTATED_PAYLOAD_LAYOUTS[:2])
+    monkeypatch.setattr(gc, "ROTATION_TIMINGS", (("fixed", gc._gpt2_block_segments(256), 4, 128, torch.bfloat16, 1),))
+    report = gc.payload_rotation_report(_FaultyKernels(cpu_kernels, "sum_raises"), "cpu", _wall_clock_ms, 0)
+    assert report["ok"] is False and report["cases"] == [] and report["timings"] == []
+    assert [f.get("layout", f.get("timing")) for f in report["failures"]] == [0, 1, "fixed"]
+    assert all("deliberate fault in sum_payloads" in f["error"] for f in report["failures"])

@@ -17,17 +17,22 @@ def plot(report: dict, png: str) -> None:
     panels = [(name + _mesh(report["tasks"][name]), report["tasks"][name]) for name in report["task_order"]]
     if report.get("long_run"):
         panels.append(("gpt2-tiny, long run", report["long_run"]))
-    fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 8), squeeze=False, sharex="col")
+    # Many methods (the low-bit study has 21): distinct tab20 colours and the legend beside the panels.
+    many = max(len(task["methods"]) for _, task in panels) > 10
+    width = 5.5 * len(panels) + (3.5 if many else 0.0)
+    fig, axes = plt.subplots(2, len(panels), figsize=(width, 8 + (2 if many else 0)), squeeze=False, sharex="col")
+    legend = {"fontsize": 6, "loc": "upper left", "bbox_to_anchor": (1.01, 1.0)} if many else {"fontsize": 7}
     for col, (title, task) in enumerate(panels):
         top, bottom = axes[0][col], axes[1][col]
         methods = _ordered(task)
         base = next(m for m in methods if m["is_baseline"])
         steps = base["eval_curve"]["step"]
         base_mean = base["eval_curve"]["mean"]
-        for method in methods:
+        for index, method in enumerate(methods):
             band = method["eval_curve"]
             style = "--" if method["is_baseline"] else "-"
-            line = top.plot(band["step"], band["mean"], style, label=method["label"], linewidth=1.2)
+            colour = {"color": plt.cm.tab20(index % 20)} if many else {}
+            line = top.plot(band["step"], band["mean"], style, label=method["label"], linewidth=1.2, **colour)
             color = line[0].get_color()
             if len(method["runs"]) > 1:
                 top.fill_between(band["step"], band["min"], band["max"], alpha=0.15, color=color)
@@ -46,13 +51,13 @@ def plot(report: dict, png: str) -> None:
         seeds = len(base["runs"])
         top.set_title(f"{title} ({seeds} seed{'s' if seeds > 1 else ''}; band: min..max over seeds)", fontsize=9)
         top.set_ylabel("eval loss")
-        top.legend(fontsize=7)
+        top.legend(**legend)
         top.grid(alpha=0.3)
         bottom.axhline(0.0, color="black", linewidth=0.6)
         bottom.set_title("difference to the baseline, same seed", fontsize=9)
         bottom.set_ylabel("eval loss vs baseline (%)")
         bottom.set_xlabel("optimizer step")
-        bottom.legend(fontsize=7)
+        bottom.legend(**legend)
         bottom.grid(alpha=0.3)
     fig.tight_layout()
     save_figure(fig, png)

@@ -85,13 +85,17 @@ _QSDP_METHODS = (
 )
 # Fewer bits (the low-bit study: --methods lowbit): weights and gradients at 2-4 bits with the per-bit
 # default buckets (128 elements, bf16 metadata), each plain, with Hadamard rotation of both paths, with
-# gradient error feedback (fp32 store), and with both. The goal is the issue's: within +1% of FSDP2.
+# gradient error feedback (fp32 store), with both, and with nearest rounding (both paths) alone and with
+# error feedback. The goal is the issue's: within +1% of FSDP2.
 _LOWBIT_SETTINGS = ((4, 4), (4, 2), (3, 3), (3, 2), (2, 2))
 _LOWBIT_VARIANTS = (
     ("", "", {}),
     ("-rot", ", Hadamard-rotated", {"weight_rotation": "hadamard", "grad_rotation": "hadamard"}),
     ("-ef", ", gradient error feedback", {"grad_error_feedback": "float32"}),
     ("-rot-ef", ", rotated + error feedback", {"weight_rotation": "hadamard", "grad_rotation": "hadamard", "grad_error_feedback": "float32"}),
+    # error feedback assumes a contractive compressor (|Q(x) - x| < |x|); stochastic rounding at 2 bits is not one
+    ("-nr", ", nearest rounding", {"rounding": "nearest"}),
+    ("-nr-ef", ", nearest rounding + error feedback", {"rounding": "nearest", "grad_error_feedback": "float32"}),
 )
 _LOWBIT_METHODS = tuple(
     Method(

@@ -188,3 +188,19 @@ def test_low_bit_fields_mean_the_same_from_every_source(source, tmp_path):
     assert feedback.error_feedback_dtype() == torch.bfloat16
     for spelling in ("off", "none", "false"):
         assert SOURCES[source]("grad_error_feedback", spelling, tmp_path).error_feedback_dtype() is None
+
+
+def test_presets_are_the_settings_they_name_and_overrides_win():
+    from qaccel.fsdp.config import PRESETS
+
+    assert QSDPConfig.preset("w8g8") == QSDPConfig()  # the defaults are the 8-bit preset
+    low = QSDPConfig.preset("w3g2-nearest")
+    assert (low.weight_bits, low.grad_bits, low.rounding) == (3, 2, "nearest")
+    assert low.grad_codec().bucket_size == 128 and low.grad_codec().meta_dtype == torch.bfloat16  # per-bit defaults
+    assert QSDPConfig.preset("w2g2-nearest", seed=7, grad_bits=3).grad_bits == 3
+    for name, entry in PRESETS.items():
+        config = QSDPConfig.preset(name)
+        assert all(getattr(config, key) == value for key, value in entry["settings"].items()), name
+        assert entry["measured"]  # every preset says what was measured for it
+    with pytest.raises(ValueError, match=r"unknown preset; choose from w8g8, w4g4, w3g2-nearest, w2g2-nearest"):
+        QSDPConfig.preset("w1g1")

@@ -20,6 +20,7 @@ SHIPPED = [
     "bert-tiny",
     "gpt2-1.3b",
     "gpt2-124m",
+    "gpt2-124m-lowbit",
     "gpt2-124m-w4g4",
     "gpt2-350m",
     "gpt2-tiny",
@@ -84,6 +85,10 @@ def test_paper_settings_of_the_gpu_recipes():
         assert r.training.gradient_accumulation_steps == 4
         assert r.method.qsdp == {"weight_bits": 8, "grad_bits": 8}
     assert load_recipe("gpt2-124m-w4g4").method.qsdp == {"weight_bits": 4, "grad_bits": 4}
+    # the low-bit recipe is the documented preset
+    from qaccel.fsdp import QSDPConfig
+
+    assert QSDPConfig(**load_recipe("gpt2-124m-lowbit").method.qsdp) == QSDPConfig.preset("w3g2-nearest")
     for name in ("bert-base", "bert-large"):
         r = load_recipe(name)
         assert 8 * r.training.per_device_batch_size * r.training.gradient_accumulation_steps == 4096
@@ -445,7 +450,7 @@ def test_a_datasets_section_has_one_documented_key_per_data_source_setting(mrpc)
 # Wikipedia (BookCorpus has no clearly licensed Hub copy), which has only a train split.
 C4 = ("allenai/c4", "en", "validation", "openai-community/gpt2")
 WIKIPEDIA = ("wikimedia/wikipedia", "20231101.en", "train", "google-bert/bert-base-uncased")
-STREAMED = {"gpt2-124m": C4, "gpt2-124m-w4g4": C4, "gpt2-350m": C4, "gpt2-1.3b": C4, "bert-base": WIKIPEDIA, "bert-large": WIKIPEDIA}
+STREAMED = {"gpt2-124m": C4, "gpt2-124m-w4g4": C4, "gpt2-124m-lowbit": C4, "gpt2-350m": C4, "gpt2-1.3b": C4, "bert-base": WIKIPEDIA, "bert-large": WIKIPEDIA}
 
 
 @pytest.mark.parametrize("name", sorted(STREAMED))

@@ -182,7 +182,7 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
     Error feedback (``QSDPConfig.grad_error_feedback``, ``error_dtype``): the unit keeps, per rank,
     what quantization left out of the chunks it sent (``error``, ``(P-1) x`` the output's
     elements), allocated zero on the first call and carried from call to call, micro-batches
-    included; :meth:`error_state` / :meth:`load_error_state` save and restore it.
+    included; ``error`` is saved as it is and :meth:`load_error_state` restores it.
 
     Args:
         plan: the unit's segment map.
@@ -205,10 +205,6 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
         super().__init__(plan, codec, seeds, meter, buffers)
         self.error_dtype = error_dtype if self.codec is not None else None
         self.error: torch.Tensor | None = None
-
-    def error_state(self) -> torch.Tensor | None:
-        """The error-feedback buffer (``None`` before the first quantized call or without error feedback)."""
-        return self.error
 
     def load_error_state(self, error: torch.Tensor | None) -> None:
         """Restore a saved buffer (``None``: start from zero), cast to this unit's store dtype."""
@@ -268,12 +264,14 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
         if self.error_dtype is None:
             return None
         numel = (world - 1) * output.numel()
-        if self.error is None or self.error.numel() != numel or self.error.device != output.device:
+        if self.error is not None and self.error.numel() == numel and self.error.device != output.device:
+            self.error = self.error.to(output.device)  # restored from a checkpoint, which holds it on the CPU
+        if self.error is None or self.error.numel() != numel:
             if self.error is not None:
                 logger.warning(
-                    "QSDP unit %s: the error-feedback buffer holds %d elements on %s but this reduce-scatter needs %d on "
-                    "%s (world size or device changed): restarting it from zero",
-                    self.plan.name, self.error.numel(), self.error.device, numel, output.device,
+                    "QSDP unit %s: the error-feedback buffer holds %d elements but this reduce-scatter needs %d (the world "
+                    "size changed): restarting it from zero",
+                    self.plan.name, self.error.numel(), numel,
                 )  # fmt: skip
             self.error = torch.zeros(numel, dtype=self.error_dtype, device=output.device)
         return self.error

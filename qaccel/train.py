@@ -307,6 +307,9 @@ def _hierarchy(accelerator: Any, optimizer: Any) -> str:
     return ""
 
 
+BAD_INPUT_GRACE_S = 3.0  # how long a silent rank waits on bad input before it exits
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Parse, check and train; bad input raises (see :func:`cli` for the command-line behaviour)."""
     args = parse_args(argv)
@@ -508,6 +511,10 @@ def cli(argv: list[str] | None = None) -> int:
     except BAD_INPUT_ERRORS as err:
         if int(os.environ.get("RANK", "0")) == 0:
             report_bad_input("qaccel.train", err)
+        else:
+            # torchrun stops every rank as soon as one exits: were a silent rank to exit first, the main
+            # process could be killed before its line is out. Give it that moment.
+            time.sleep(BAD_INPUT_GRACE_S)
         return USAGE_EXIT_CODE
     train(args, inputs)
     return 0

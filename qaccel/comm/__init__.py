@@ -7,9 +7,11 @@ from ._onebit import (
     ONEBIT_PADDINGS,
     OneBitLayout,
     OneBitWireBytes,
+    PendingCompressedAllReduce,
     compressed_allreduce,
     onebit_layout,
     onebit_wire_bytes,
+    start_compressed_allreduce,
 )
 from ._phases import PHASES, PhaseTimer, PhaseTotals
 from ._quantized import (
@@ -50,6 +52,8 @@ __all__ = [
     "OneBitLayout",
     "OneBitWireBytes",
     "compressed_allreduce",
+    "start_compressed_allreduce",
+    "PendingCompressedAllReduce",
     "onebit_layout",
     "onebit_wire_bytes",
     "ring_all_reduce_bytes",

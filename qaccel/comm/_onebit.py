@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,8 @@ __all__ = [
     "onebit_layout",
     "onebit_wire_bytes",
     "compressed_allreduce",
+    "start_compressed_allreduce",
+    "PendingCompressedAllReduce",
 ]
 
 ONEBIT_PADDINGS = ("deepspeed", "minimal")
@@ -214,13 +216,36 @@ def compressed_allreduce(
     Raises:
         ValueError / TypeError: on inconsistent inputs, before any communication.
     """
+    return start_compressed_allreduce(
+        tensors, worker_errors, server_errors, layouts, group=group, meter=meter, kind_prefix=kind_prefix
+    ).finish()
+
+
+def start_compressed_allreduce(
+    tensors: Sequence[torch.Tensor],
+    worker_errors: Sequence[torch.Tensor],
+    server_errors: Sequence[torch.Tensor],
+    layouts: Sequence[OneBitLayout],
+    *,
+    group: dist.ProcessGroup | None = None,
+    meter: WireMeter | None = None,
+    kind_prefix: str = "onebit",
+) -> PendingCompressedAllReduce:
+    """The worker side of :func:`compressed_allreduce` (step 1), now; the rest when ``finish()`` is called.
+
+    Reads ``tensors`` and updates ``worker_errors`` before it returns, so the caller may change the
+    tensors afterwards; ``finish()`` runs phases 1 and 2 (the collectives, the server side, decoding)
+    and returns what :func:`compressed_allreduce` returns. The optimizers' overlapped step starts a
+    DDP bucket's call in the communication hook and finishes it on a communication thread.
+    Same arguments and errors as :func:`compressed_allreduce`.
+    """
     rank, world_size = _group_rank_and_size(group)
     _check_inputs(tensors, worker_errors, server_errors, layouts, rank, world_size)
     meter = default_meter if meter is None else meter
     outputs = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in tensors]
     live = [k for k, layout in enumerate(layouts) if layout.numel > 0]
     if not live:
-        return outputs
+        return PendingCompressedAllReduce(outputs, [], [], [], None, group, world_size, meter, kind_prefix, 0)
     device = tensors[live[0]].device
     num_live = len(live)
     scale_bytes = _SCALE_BYTES * num_live
@@ -242,48 +267,80 @@ def compressed_allreduce(
         send[:, offset : offset + layout.chunk_sign_bytes] = packed.signs.view(world_size, layout.chunk_sign_bytes)
         worker_scales[slot] = packed.scales[0]
     send[:, :scale_bytes] = worker_scales.view(torch.uint8)
+    live_layouts = [layouts[k] for k in live]
+    live_server_errors = [server_errors[k] for k in live]
+    live_outputs = [outputs[k] for k in live]
+    return PendingCompressedAllReduce(
+        outputs, live_outputs, live_layouts, live_server_errors, send, group, world_size, meter, kind_prefix, scale_bytes,
+        offsets,
+    )  # fmt: skip
 
-    # Phase 1: rank j receives chunk j of every worker, with every worker's scales.
-    recv = _all_to_all(send, group, world_size, meter, f"{kind_prefix}.all_to_all")
-    received_scales = recv[:, :scale_bytes].contiguous().view(torch.float32)  # (world, num_live)
 
-    # Server side: average the decoded chunks, compensate, compress again.
-    server_row = torch.empty(row_bytes, dtype=torch.uint8, device=device)
-    server_scales = torch.empty(num_live, dtype=torch.float32, device=device)
-    for slot, (k, offset) in enumerate(zip(live, offsets, strict=True)):
-        layout = layouts[k]
-        chunk_bytes, server_numel = layout.chunk_sign_bytes, layout.server_numel
-        worker_chunks = SignCompressed(
-            signs=recv[:, offset : offset + chunk_bytes].contiguous().view(-1),
-            # (s_w / N) first, then times +-1: the order of DeepSpeed's server average
-            scales=received_scales[:, slot] * (1 / world_size),
-            numel=world_size * server_numel,
-            chunks=world_size,
-            shape=torch.Size((world_size, server_numel)),
-        )
-        averaged = sign_decompress(worker_chunks).sum(0)  # (world, server_numel) -> (server_numel,)
-        averaged.add_(server_errors[k])
-        packed = sign_compress(averaged)
-        server_errors[k].copy_(averaged - sign_decompress(packed))
-        server_row[offset : offset + chunk_bytes] = packed.signs
-        server_scales[slot] = packed.scales[0]
-    server_row[:scale_bytes] = server_scales.view(torch.uint8)
+@dataclass
+class PendingCompressedAllReduce:
+    """A :func:`compressed_allreduce` call whose worker side is done (:func:`start_compressed_allreduce`)."""
 
-    # Phase 2: everyone gathers every server chunk and decodes the same bytes.
-    gathered = _all_gather(server_row, group, world_size, meter, f"{kind_prefix}.all_gather")  # (world, row_bytes)
-    gathered_scales = gathered[:, :scale_bytes].contiguous().view(torch.float32)  # (world, num_live)
-    for slot, (k, offset) in enumerate(zip(live, offsets, strict=True)):
-        layout = layouts[k]
-        server_chunks = SignCompressed(
-            signs=gathered[:, offset : offset + layout.chunk_sign_bytes].contiguous().view(-1),
-            scales=gathered_scales[:, slot].contiguous(),
-            numel=layout.padded_numel,
-            chunks=world_size,
-            shape=torch.Size((layout.padded_numel,)),
-        )
-        decoded = sign_decompress(server_chunks)
-        outputs[k].view(-1).copy_(decoded[: layout.numel])
-    return outputs
+    outputs: list[torch.Tensor]
+    live_outputs: list[torch.Tensor]
+    live_layouts: list[OneBitLayout]
+    live_server_errors: list[torch.Tensor]
+    send: torch.Tensor | None  # (world, row bytes): the scales, then each live tensor's sign chunk
+    group: dist.ProcessGroup | None
+    world_size: int
+    meter: WireMeter
+    kind_prefix: str
+    scale_bytes: int
+    offsets: list[int] = field(default_factory=list)  # where each live tensor's signs start in a row
+
+    def finish(self) -> list[torch.Tensor]:
+        """Phases 1 and 2: exchange, reduce on the server side, gather and decode; returns the averages."""
+        if self.send is None:
+            return self.outputs
+        world_size, scale_bytes, row_bytes = self.world_size, self.scale_bytes, self.send.shape[1]
+        device = self.send.device
+        num_live = len(self.live_layouts)
+        slots = list(zip(self.live_layouts, self.live_server_errors, self.offsets, strict=True))
+
+        # Phase 1: rank j receives chunk j of every worker, with every worker's scales.
+        recv = _all_to_all(self.send, self.group, world_size, self.meter, f"{self.kind_prefix}.all_to_all")
+        self.send = None  # finish() runs once
+        received_scales = recv[:, :scale_bytes].contiguous().view(torch.float32)  # (world, num_live)
+
+        # Server side: average the decoded chunks, compensate, compress again.
+        server_row = torch.empty(row_bytes, dtype=torch.uint8, device=device)
+        server_scales = torch.empty(num_live, dtype=torch.float32, device=device)
+        for slot, (layout, server_error, offset) in enumerate(slots):
+            chunk_bytes, server_numel = layout.chunk_sign_bytes, layout.server_numel
+            worker_chunks = SignCompressed(
+                signs=recv[:, offset : offset + chunk_bytes].contiguous().view(-1),
+                # (s_w / N) first, then times +-1: the order of DeepSpeed's server average
+                scales=received_scales[:, slot] * (1 / world_size),
+                numel=world_size * server_numel,
+                chunks=world_size,
+                shape=torch.Size((world_size, server_numel)),
+            )
+            averaged = sign_decompress(worker_chunks).sum(0)  # (world, server_numel) -> (server_numel,)
+            averaged.add_(server_error)
+            packed = sign_compress(averaged)
+            server_error.copy_(averaged - sign_decompress(packed))
+            server_row[offset : offset + chunk_bytes] = packed.signs
+            server_scales[slot] = packed.scales[0]
+        server_row[:scale_bytes] = server_scales.view(torch.uint8)
+
+        # Phase 2: everyone gathers every server chunk and decodes the same bytes.
+        gathered = _all_gather(server_row, self.group, world_size, self.meter, f"{self.kind_prefix}.all_gather")  # (world, row_bytes)
+        gathered_scales = gathered[:, :scale_bytes].contiguous().view(torch.float32)  # (world, num_live)
+        for slot, ((layout, _, offset), output) in enumerate(zip(slots, self.live_outputs, strict=True)):
+            server_chunks = SignCompressed(
+                signs=gathered[:, offset : offset + layout.chunk_sign_bytes].contiguous().view(-1),
+                scales=gathered_scales[:, slot].contiguous(),
+                numel=layout.padded_numel,
+                chunks=world_size,
+                shape=torch.Size((layout.padded_numel,)),
+            )
+            decoded = sign_decompress(server_chunks)
+            output.view(-1).copy_(decoded[: layout.numel])
+        return self.outputs
 
 
 def _all_gather_single():

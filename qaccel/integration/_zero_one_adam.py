@@ -216,9 +216,14 @@ def before_clip_grad_norm(accelerator: Any) -> None:
 
     Under DDP Accelerate clips with each rank's local norm; on steps whose gradients stay local the
     ranks then clip differently. The optimizer's own ``gradient_clipping`` uses a norm that is the
-    same on every rank (see the README, "Clipping").
+    same on every rank (see the README, "Clipping"). It also turns ``overlap_comm`` off from the next
+    backward on: an overlapped 1-bit all-reduce reads the gradients in backward, before this clips them.
     """
-    if getattr(accelerator, "_qaccel_warned_clip", False) or not _onebit_optimizers(accelerator):
+    optimizers = _onebit_optimizers(accelerator)
+    for optimizer in optimizers:
+        # Clipping changes the gradients after backward, where an overlapped all-reduce already read them.
+        optimizer.disable_comm_overlap("accelerator.clip_grad_norm_ changes gradients after backward (overlap_comm)")
+    if getattr(accelerator, "_qaccel_warned_clip", False) or not optimizers:
         return
     accelerator._qaccel_warned_clip = True
     logger.warning(

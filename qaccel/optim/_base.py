@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from .._torch_internals import foreach_mul_, foreach_norm
-from ..comm import WireMeter, compressed_allreduce, default_meter, onebit_layout, ring_all_reduce_bytes
+from ..comm import OneBitLayout, WireMeter, compressed_allreduce, default_meter, onebit_layout, ring_all_reduce_bytes
+from ._overlap import OneBitOverlap
 from ._resume import ResumeMixin
 from ._schedule import CommPlan, OneBitAdamSchedule, StepKind, ZeroOneAdamSchedule
 from ._units import Unit, build_units, unit_grad, unit_params_as_weights
@@ -49,6 +50,7 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         self._kind_prefix = "onebit"
         self._comm_hook_required = False
         self._comm_hook_installed = False
+        self._overlap: OneBitOverlap | None = None
         self._units: list[Unit] | None = None
         self._init_resume_state()
         defaults = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
@@ -164,10 +166,10 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
                 state[key].zero_()
 
     # ------------------------------------------------------------------------- communication
-    def _average_1bit(self, units: list[Unit], payloads: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
-        """C(payloads): the 1-bit error-feedback average over the group, or a fp32 copy when alone."""
-        if world_size == 1:
-            return [payload.to(torch.float32, copy=True) for payload in payloads]
+    def _onebit_buffers(
+        self, units: list[Unit], world_size: int
+    ) -> tuple[list[OneBitLayout], list[torch.Tensor], list[torch.Tensor]]:
+        """Layouts and (created on first use) worker and server error buffers of ``units``."""
         layouts, worker_errors, server_errors = [], [], []
         for unit in units:
             state = self.state[unit.anchor]
@@ -177,6 +179,13 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
             layouts.append(layout)
             worker_errors.append(state["worker_error"])
             server_errors.append(state["server_error"])
+        return layouts, worker_errors, server_errors
+
+    def _average_1bit(self, units: list[Unit], payloads: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+        """C(payloads): the 1-bit error-feedback average over the group, or a fp32 copy when alone."""
+        if world_size == 1:
+            return [payload.to(torch.float32, copy=True) for payload in payloads]
+        layouts, worker_errors, server_errors = self._onebit_buffers(units, world_size)
         return compressed_allreduce(
             payloads, worker_errors, server_errors, layouts, group=self._process_group, meter=self.wire_meter,
             kind_prefix=self._kind_prefix,
@@ -257,12 +266,14 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
             self._pending_resume = None
             return loss
         world_size = self.world_size()
+        # units whose 1-bit all-reduce started in backward (overlap_comm): their gradient was read there
+        started = self._overlap.collect(kind) if self._overlap is not None else {}
         if self._pending_resume is not None:
             self._finish_resume(units, world_size)
         zeros_if_missing = world_size > 1 and kind in COMPRESSED_KINDS
-        grads = [unit_grad(unit, zeros_if_missing) for unit in units]
+        grads = [None if unit in started else unit_grad(unit, zeros_if_missing) for unit in units]
         grads = self._clip(grads, kind, world_size)
-        self._apply(kind, units, grads, world_size)
+        self._apply(kind, units, grads, world_size, started)
         if self.schedule.advance(kind):
             for unit in units:
                 self._on_freeze(unit, self.state[unit.anchor])
@@ -271,8 +282,74 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
             self.check_replicas(units, world_size, f"at step {self.schedule.step}")
         return loss
 
-    def _apply(self, kind: StepKind, units: list[Unit], grads: list[torch.Tensor | None], world_size: int) -> None:
+    def _apply(
+        self,
+        kind: StepKind,
+        units: list[Unit],
+        grads: list[torch.Tensor | None],
+        world_size: int,
+        started: dict[Unit, torch.Tensor],
+    ) -> None:
+        """The step of ``kind``; ``started`` holds the averaged payloads of units overlapped in backward."""
         raise NotImplementedError
+
+    def _compressed_payload(self, kind: StepKind, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """What ``unit`` sends through the 1-bit all-reduce on a step of ``kind`` (state updated as needed)."""
+        raise NotImplementedError
+
+    def _apply_averaged(self, kind: StepKind, unit: Unit, averaged: torch.Tensor) -> None:
+        """Apply the averaged payload of ``unit`` on a step of ``kind``."""
+        raise NotImplementedError
+
+    def _step_compressed(
+        self,
+        kind: StepKind,
+        units: list[Unit],
+        grads: list[torch.Tensor | None],
+        world_size: int,
+        started: dict[Unit, torch.Tensor],
+    ) -> None:
+        """A step with a 1-bit all-reduce: payloads of the units not started in backward, one call, then apply.
+
+        Each unit has its own scale and error buffers, so which call carries it does not change its result.
+        """
+        rest = [(unit, grad) for unit, grad in zip(units, grads, strict=True) if unit not in started and grad is not None]
+        payloads = [self._compressed_payload(kind, unit, grad) for unit, grad in rest]
+        averaged = dict(started)
+        averaged.update(zip([unit for unit, _ in rest], self._average_1bit([unit for unit, _ in rest], payloads, world_size), strict=True))
+        for unit in units:
+            if unit in averaged:
+                self._apply_averaged(kind, unit, averaged[unit])
+
+    # ------------------------------------------------------------------------------ overlap
+    def _enable_overlap(self, group: dist.ProcessGroup) -> None:
+        """Start 1-bit all-reduces in the DDP hook, on ``group`` (:func:`register_ddp_comm_hook` calls this)."""
+        self._overlap = OneBitOverlap(self, group)
+
+    @property
+    def comm_overlap(self) -> OneBitOverlap | None:
+        """The backward overlap of the 1-bit all-reduce, when the DDP hook installed one (``overlap_comm``)."""
+        return self._overlap
+
+    def disable_comm_overlap(self, reason: str) -> None:
+        """Run the 1-bit all-reduce in the step again from the next backward on (logs ``reason`` if a round is in flight)."""
+        if self._overlap is not None:
+            self._overlap.disable(reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._overlap is not None:
+            self._overlap.refuse_in_flight("state_dict")
+        return super().state_dict()
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        if self._overlap is not None:
+            self._overlap.refuse_in_flight("rank_state_dict")
+        return super().rank_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._overlap is not None:
+            self._overlap.refuse_in_flight("load_state_dict")
+        super().load_state_dict(state_dict)
 
     def _on_freeze(self, unit: Unit, state: dict) -> None:
         """Subclass hook at the end of the step that froze the variance."""

@@ -7,6 +7,9 @@ the previous optimizer step, as DeepSpeed fixes ``enable_backward_allreduce``) a
 stock averaging all-reduce or returns the bucket untouched. It keeps no per-bucket state, so DDP's bucket
 rebuild after the first iteration does not matter; error feedback lives in the optimizer.
 
+With ``overlap_comm`` (on by default) the hook also starts the 1-bit all-reduce of the units each bucket
+completes, on compressed steps, and still hands DDP the local gradient (:mod:`qaccel.optim._overlap`).
+
 With an fp16 ``GradScaler`` each rank decides on its own whether to skip a step, which would split the
 replicas when gradients are local. With ``agree_on_overflow=True`` the hook ORs a non-finite flag over
 the ranks on the last bucket of every local-gradient backward (one 4-byte all-reduce, as DeepSpeed's
@@ -22,6 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ..comm import WireMeter, default_meter, ring_all_reduce_bytes
 from ._base import OneBitOptimizerBase
+from ._overlap import OneBitOverlap, overlap_group
 from ._schedule import CommPlan
 
 __all__ = ["OneBitCommHookState", "onebit_comm_hook", "register_ddp_comm_hook"]
@@ -35,6 +39,7 @@ class OneBitCommHookState:
         process_group: the DDP model's process group (None: default group).
         wire_meter: where the hook records the all-reduce bytes.
         agree_on_overflow: enable the fp16 overflow agreement described in the module docstring.
+        overlap: the optimizer's backward overlap, which each bucket is handed to (None: no overlap).
     """
 
     def __init__(
@@ -43,8 +48,10 @@ class OneBitCommHookState:
         process_group: dist.ProcessGroup | None = None,
         wire_meter: WireMeter | None = None,
         agree_on_overflow: bool = False,
+        overlap: OneBitOverlap | None = None,
     ) -> None:
         self.plan = plan
+        self.overlap = overlap
         self.process_group = process_group
         self.wire_meter = default_meter if wire_meter is None else wire_meter
         self.agree_on_overflow = agree_on_overflow
@@ -62,6 +69,8 @@ def onebit_comm_hook(state: OneBitCommHookState, bucket: dist.GradBucket) -> tor
         nbytes = ring_all_reduce_bytes(buffer.numel() * buffer.element_size(), world_size)
         state.wire_meter.record("ddp.all_reduce", sent_bytes=nbytes, recv_bytes=nbytes)
         return allreduce_hook(state.process_group, bucket)
+    if state.overlap is not None:
+        state.overlap.bucket_ready(bucket.parameters(), bucket.gradients())
     if state.agree_on_overflow:
         # 1.0 if this bucket holds an inf or NaN; one bool temporary of the bucket's length
         local = torch.isfinite(buffer).all().logical_not().to(torch.float32).reshape(1)
@@ -92,6 +101,10 @@ def register_ddp_comm_hook(
     model. Without it DDP all-reduces every step, and the 1-bit optimizer would compress gradients that
     were already averaged (correct but wasteful, and not the algorithm).
 
+    With the optimizer's ``overlap_comm`` on (and no ``agree_on_overflow``, whose skipped steps must leave
+    the state alone) it also creates the process group of the overlap thread, with the DDP group's
+    ranks: every rank of that group must call this, as it must wrap the model.
+
     Raises:
         TypeError: for a model that is not DDP or an optimizer that is not a qaccel 1-bit optimizer.
         RuntimeError: if the model already has a comm hook (DDP allows one).
@@ -102,7 +115,10 @@ def register_ddp_comm_hook(
         raise TypeError(f"register_ddp_comm_hook: expected ZeroOneAdam or OneBitAdam, got {type(optimizer).__name__}")
     if wire_meter is None:
         wire_meter = optimizer.wire_meter
-    state = OneBitCommHookState(optimizer.comm_plan, ddp_model.process_group, wire_meter, agree_on_overflow)
+    if optimizer.config.overlap_comm and not agree_on_overflow:
+        # collective: every rank of the DDP group registers the hook
+        optimizer._enable_overlap(overlap_group(ddp_model.process_group))
+    state = OneBitCommHookState(optimizer.comm_plan, ddp_model.process_group, wire_meter, agree_on_overflow, optimizer.comm_overlap)
     try:
         ddp_model.register_comm_hook(state, onebit_comm_hook)
     except RuntimeError as err:

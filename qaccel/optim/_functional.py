@@ -20,6 +20,7 @@ __all__ = [
     "update_momentum",
     "adam_direction",
     "descend",
+    "local_update",
     "local_step",
     "sync_payload",
     "finish_sync",
@@ -58,6 +59,13 @@ def descend(weights: torch.Tensor, direction: torch.Tensor, lr: float) -> None:
     weights.add_(direction.mul_(-lr))
 
 
+def local_update(
+    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, weights: torch.Tensor, lr: float, eps: float, weight_decay: float
+) -> torch.Tensor:
+    """``-lr d``, the update of a 0/1 Adam phase-2 step (a new tensor; ``weights`` only read)."""
+    return adam_direction(exp_avg, exp_avg_sq, weights, eps, weight_decay).mul_(-lr)
+
+
 def local_step(
     weights: torch.Tensor,
     momentum_accumulator: torch.Tensor,
@@ -68,7 +76,7 @@ def local_step(
     weight_decay: float,
 ) -> None:
     """0/1 Adam phase-2 step: ``w -= lr d`` and ``u -= lr d`` with the same ``-lr d``."""
-    step = adam_direction(exp_avg, exp_avg_sq, weights, eps, weight_decay).mul_(-lr)
+    step = local_update(exp_avg, exp_avg_sq, weights, lr, eps, weight_decay)
     weights.add_(step)
     momentum_accumulator.add_(step)
 

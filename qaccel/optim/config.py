@@ -59,6 +59,13 @@ class _OneBitConfigBase(SettingsMixin):
     replica_check_interval: int = field(
         default=0, metadata={"help": "every N optimizer steps, check that all replicas agree (one small all-gather); 0: never (default)"}
     )
+    overlap_comm: bool = field(
+        default=True,
+        metadata={
+            "help": "start each DDP bucket's 1-bit all-reduce during backward (CPU/gloo; same results bit for bit); "
+            "inactive with gradient_clipping, an fp16 GradScaler or accelerator.clip_grad_norm_ (default true)"
+        },
+    )
     bias_correction: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (no bias correction is applied)"})
     eps_inside_sqrt: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (eps is added outside the sqrt)"})
     amsgrad: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (AMSGrad is not supported)"})
@@ -92,6 +99,8 @@ class _OneBitConfigBase(SettingsMixin):
             self._fail("gradient_clipping", self.gradient_clipping, "must be a number >= 0 (0 disables clipping)")
         if not _is_int(self.replica_check_interval) or self.replica_check_interval < 0:
             self._fail("replica_check_interval", self.replica_check_interval, "must be an int >= 0 (0 disables the check)")
+        if not isinstance(self.overlap_comm, bool):
+            self._fail("overlap_comm", self.overlap_comm, "must be true or false", TypeError)
         # DeepSpeed keys that DeepSpeed itself ignores or rejects: accept only the value that is true.
         if self.bias_correction is not False:
             self._fail(
@@ -173,6 +182,11 @@ class ZeroOneAdamConfig(_OneBitConfigBase):
         replica_check_interval: every this many optimizer steps (0: never; default 0) all ranks all-gather a
             checksum of the schedule counters, the variance and the synced weights (also the weights at a
             synced point) and raise if any rank differs. A debugging aid: one small all-gather per check.
+        overlap_comm: start the 1-bit all-reduce of each DDP bucket's parameters in the communication hook,
+            as their gradients become ready, and let the step only wait and apply (default True; results are
+            bit-identical either way). Active on CPU (gloo) with a DDP model, and not with
+            ``gradient_clipping`` (the global norm is known only after backward), an fp16 ``GradScaler`` or
+            ``accelerator.clip_grad_norm_``; read when the DDP hook is registered.
         bias_correction, eps_inside_sqrt, amsgrad, max_grad_norm, cuda_aware, comm_backend_name:
             DeepSpeed compatibility keys; only False / False / False / 0 / False / "nccl" are accepted.
 
@@ -216,8 +230,8 @@ class OneBitAdamConfig(_OneBitConfigBase):
         freeze_step: steps 2..max(freeze_step, 2) are full Adam with all-reduced gradients; later steps
             freeze the variance and send the momentum through the 1-bit all-reduce (default 100000; the
             DeepSpeed tutorial suggests 15-25% of the run).
-        lr, betas, eps, weight_decay, granularity, padding, gradient_clipping, replica_check_interval and
-            the compatibility keys: as in :class:`ZeroOneAdamConfig`.
+        lr, betas, eps, weight_decay, granularity, padding, gradient_clipping, replica_check_interval,
+            overlap_comm and the compatibility keys: as in :class:`ZeroOneAdamConfig`.
 
     Environment and config file: ``QACCEL_ONEBIT_ADAM_<FIELD>`` and the ``onebit_adam`` section.
     """

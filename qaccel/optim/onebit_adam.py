@@ -58,25 +58,37 @@ class OneBitAdam(OneBitOptimizerBase):
         schedule = OneBitAdamSchedule(freeze_step=cfg.freeze_step)
         super().__init__(params, cfg, schedule, process_group=process_group, wire_meter=wire_meter)
 
-    def _apply(self, kind: StepKind, units: list[Unit], grads: list[torch.Tensor | None], world_size: int) -> None:
-        live = [(unit, grad) for unit, grad in zip(units, grads, strict=True) if grad is not None]
+    def _apply(
+        self,
+        kind: StepKind,
+        units: list[Unit],
+        grads: list[torch.Tensor | None],
+        world_size: int,
+        started: dict[Unit, torch.Tensor],
+    ) -> None:
         if kind is StepKind.FULL:
-            for unit, grad in live:
+            for unit, grad in zip(units, grads, strict=True):
+                if grad is None:
+                    continue
                 group, state = self._group_of(unit), self.state[unit.anchor]
                 update_moments(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
                 self._descend(unit, state, group)
             return
-        for unit, grad in live:
-            update_momentum(self.state[unit.anchor]["exp_avg"], grad, self._group_of(unit)["betas"][0])
-        momenta = [self.state[unit.anchor]["exp_avg"] for unit, _ in live]
-        averaged = self._average_1bit([u for u, _ in live], momenta, world_size)
-        for (unit, _), momentum_bar in zip(live, averaged, strict=True):
-            group, state = self._group_of(unit), self.state[unit.anchor]
-            state["exp_avg"].copy_(momentum_bar)
-            mask = unit_mask(unit, group)
-            if mask is not None:
-                state["exp_avg"].mul_(mask)
-            self._descend(unit, state, group)
+        self._step_compressed(kind, units, grads, world_size, started)
+
+    def _compressed_payload(self, kind: StepKind, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """The momentum ``m = b1 m + (1-b1) g`` (updated in the state, which is returned)."""
+        exp_avg = self.state[unit.anchor]["exp_avg"]
+        update_momentum(exp_avg, grad, self._group_of(unit)["betas"][0])
+        return exp_avg
+
+    def _apply_averaged(self, kind: StepKind, unit: Unit, averaged: torch.Tensor) -> None:
+        group, state = self._group_of(unit), self.state[unit.anchor]
+        state["exp_avg"].copy_(averaged)
+        mask = unit_mask(unit, group)
+        if mask is not None:
+            state["exp_avg"].mul_(mask)
+        self._descend(unit, state, group)
 
     def _descend(self, unit: Unit, state: dict, group: dict) -> None:
         weights = unit_weights(unit, state)

@@ -11,7 +11,16 @@ import torch.distributed as dist
 
 from ..comm import WireMeter
 from ._base import OneBitOptimizerBase
-from ._functional import adam_direction, descend, finish_sync, local_step, sync_payload, update_moments, update_momentum
+from ._functional import (
+    adam_direction,
+    descend,
+    finish_sync,
+    local_step,
+    local_update,
+    sync_payload,
+    update_moments,
+    update_momentum,
+)
 from ._schedule import Phase, StepKind, ZeroOneAdamSchedule
 from ._units import Unit, unit_mask, unit_params_as_weights, unit_weights, write_back
 from .config import ZeroOneAdamConfig
@@ -101,53 +110,71 @@ class ZeroOneAdam(OneBitOptimizerBase):
             state["synced_weights"] = weights.detach().clone()
             state["lrs"] = 0.0
 
-    def _apply(self, kind: StepKind, units: list[Unit], grads: list[torch.Tensor | None], world_size: int) -> None:
-        live = [(unit, grad) for unit, grad in zip(units, grads, strict=True) if grad is not None]
+    def _apply(
+        self,
+        kind: StepKind,
+        units: list[Unit],
+        grads: list[torch.Tensor | None],
+        world_size: int,
+        started: dict[Unit, torch.Tensor],
+    ) -> None:
         if kind is StepKind.FULL:
-            for unit, grad in live:
+            for unit, grad in zip(units, grads, strict=True):
+                if grad is None:
+                    continue
                 group, state = self._group_of(unit), self.state[unit.anchor]
                 update_moments(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
                 self._descend(unit, state, group)
             return
-        if kind is StepKind.ONEBIT_GRADIENT:
-            averaged = self._average_1bit([u for u, _ in live], [g for _, g in live], world_size)
-            for (unit, _), grad_bar in zip(live, averaged, strict=True):
+        if kind is StepKind.LOCAL:
+            for unit, grad in zip(units, grads, strict=True):
+                if grad is None:
+                    continue
                 group, state = self._group_of(unit), self.state[unit.anchor]
-                mask = unit_mask(unit, group)
-                if mask is not None:
-                    grad_bar.mul_(mask)
-                update_momentum(state["exp_avg"], grad_bar, group["betas"][0])
-                self._descend(unit, state, group)
-            return
-        # phase 2: LOCAL or SYNC
-        weights = {}
-        for unit, grad in live:
-            group, state = self._group_of(unit), self.state[unit.anchor]
-            update_momentum(state["exp_avg"], grad, group["betas"][0])
-            state["lrs"] += group["lr"]
-            weights[unit] = unit_weights(unit, state)
-            local_step(
-                weights[unit], state["momentum_accumulator"], state["exp_avg"], state["exp_avg_sq"],
-                group["lr"], group["eps"], group["weight_decay"],
-            )  # fmt: skip
-        if kind is StepKind.SYNC:
-            payloads = [
-                sync_payload(self.state[u.anchor]["momentum_accumulator"], self.state[u.anchor]["exp_avg_sq"], self._group_of(u)["eps"])
-                for u, _ in live
-            ]
-            averaged = self._average_1bit([u for u, _ in live], payloads, world_size)
-            for (unit, _), update_bar in zip(live, averaged, strict=True):
-                group, state = self._group_of(unit), self.state[unit.anchor]
-                mask = unit_mask(unit, group)
-                if mask is not None:
-                    update_bar.mul_(mask)
-                finish_sync(
-                    weights[unit], state["synced_weights"], state["exp_avg"], state["exp_avg_sq"],
-                    state["momentum_accumulator"], update_bar, state["lrs"], group["eps"],
+                update_momentum(state["exp_avg"], grad, group["betas"][0])
+                state["lrs"] += group["lr"]
+                weights = unit_weights(unit, state)
+                local_step(
+                    weights, state["momentum_accumulator"], state["exp_avg"], state["exp_avg_sq"],
+                    group["lr"], group["eps"], group["weight_decay"],
                 )  # fmt: skip
-                state["lrs"] = 0.0
-        for unit, _ in live:
-            write_back(unit, weights[unit])
+                write_back(unit, weights)
+            return
+        self._step_compressed(kind, units, grads, world_size, started)
+
+    def _compressed_payload(self, kind: StepKind, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """Phase 1: the local gradient. Sync: the local step's ``m``, ``lrs`` and ``u``, then ``u (sqrt(v) + eps)``.
+
+        The sync's local step leaves the weights alone: the sync restarts them from the synced point
+        (:func:`finish_sync`), so only its update of ``u`` matters.
+        """
+        if kind is StepKind.ONEBIT_GRADIENT:
+            return grad
+        group, state = self._group_of(unit), self.state[unit.anchor]
+        update_momentum(state["exp_avg"], grad, group["betas"][0])
+        state["lrs"] += group["lr"]
+        update = local_update(
+            state["exp_avg"], state["exp_avg_sq"], unit_weights(unit, state), group["lr"], group["eps"], group["weight_decay"]
+        )
+        state["momentum_accumulator"].add_(update)
+        return sync_payload(state["momentum_accumulator"], state["exp_avg_sq"], group["eps"])
+
+    def _apply_averaged(self, kind: StepKind, unit: Unit, averaged: torch.Tensor) -> None:
+        group, state = self._group_of(unit), self.state[unit.anchor]
+        mask = unit_mask(unit, group)
+        if mask is not None:
+            averaged.mul_(mask)
+        if kind is StepKind.ONEBIT_GRADIENT:
+            update_momentum(state["exp_avg"], averaged, group["betas"][0])
+            self._descend(unit, state, group)
+            return
+        weights = unit_weights(unit, state)
+        finish_sync(
+            weights, state["synced_weights"], state["exp_avg"], state["exp_avg_sq"],
+            state["momentum_accumulator"], averaged, state["lrs"], group["eps"],
+        )  # fmt: skip
+        state["lrs"] = 0.0
+        write_back(unit, weights)
 
     def _descend(self, unit: Unit, state: dict, group: dict) -> None:
         weights = unit_weights(unit, state)

@@ -133,7 +133,9 @@ FIELD_CHANGES = {
     "var_update_scaler": 3, "local_step_scaler": 5, "local_step_clipper": 2, "gradient_clipping": 1e-3,
 }  # fmt: skip
 REJECTED_ELSEWHERE = {"bias_correction", "eps_inside_sqrt", "amsgrad", "max_grad_norm", "cuda_aware", "comm_backend_name"}
-MULTI_RANK_ONLY = {"granularity", "padding", "replica_check_interval"}  # act only with N > 1 (tests/dist)
+# act only with N > 1 (tests/dist); overlap_comm changes when the all-reduce runs, never the result
+# (tests/dist/test_onebit_overlap.py checks both)
+MULTI_RANK_ONLY = {"granularity", "padding", "replica_check_interval", "overlap_comm"}
 
 
 def run_config(cfg):

@@ -286,12 +286,17 @@ class DecodeOnWait(dist.Work):
     weights, so the transport overlaps the compute in between and the decode runs once, on wait.
     ``collective`` names the ``torch.distributed`` function that started the transport: a failure
     surfaces here, outside that function, and error reports (``qaccel.training.faults``) name it.
+    ``keep_alive`` holds the tensors the transport reads or writes in the background (a pooled send
+    blob, FSDP2's pooled input) until ``wait()``: the transport's own references live in C++, where
+    :class:`qaccel.comm.BufferPool` cannot see them, so without these the pool could hand such a
+    buffer out again while gloo still reads it.
     """
 
-    def __init__(self, transport: dist.Work, finish, collective: str) -> None:
+    def __init__(self, transport: dist.Work, finish, collective: str, keep_alive: tuple[torch.Tensor, ...] = ()) -> None:
         super().__init__()
         self._transport = transport
         self._finish = finish
+        self._keep_alive = keep_alive
         self._done = False
         self.collective = collective
 
@@ -301,6 +306,7 @@ class DecodeOnWait(dist.Work):
             if self._finish is not None:
                 self._finish()
             self._done = True
+            self._keep_alive = ()
         return True
 
     def is_completed(self) -> bool:
@@ -352,7 +358,7 @@ def quantized_all_gather(
 
     if async_op:
         collective = _all_gather_single()
-        return DecodeOnWait(collective(gathered, blob, group=group, async_op=True), decode, collective.__name__)
+        return DecodeOnWait(collective(gathered, blob, group=group, async_op=True), decode, collective.__name__, keep_alive=(blob,))
     with _timed(timer, kind, "transport", device):
         _all_gather_single()(gathered, blob, group=group)
     decode()
@@ -439,7 +445,7 @@ def quantized_reduce_scatter(
 
     if async_op:
         work = dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True)
-        return DecodeOnWait(work, reduce, "all_to_all_single")
+        return DecodeOnWait(work, reduce, "all_to_all_single", keep_alive=(send, input))
     with _timed(timer, kind, "transport", device):
         dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group)
     reduce()
@@ -469,7 +475,7 @@ def counted_all_gather(
     # The same call FSDP2's DefaultAllGather makes, so the pass-through is bit-identical to stock.
     collective = _all_gather_single()
     work = collective(output, input, group=group, async_op=async_op)
-    return DecodeOnWait(work, None, collective.__name__) if async_op else work
+    return DecodeOnWait(work, None, collective.__name__, keep_alive=(output, input)) if async_op else work
 
 
 def counted_reduce_scatter(
@@ -486,7 +492,7 @@ def counted_reduce_scatter(
     meter.record(kind, sent_bytes=nbytes, recv_bytes=nbytes)
     collective = _reduce_scatter_single()
     work = collective(output, input, op=op, group=group, async_op=async_op)
-    return DecodeOnWait(work, None, collective.__name__) if async_op else work
+    return DecodeOnWait(work, None, collective.__name__, keep_alive=(output, input)) if async_op else work
 
 
 def alltoall_reduce_scatter(
@@ -537,7 +543,7 @@ def alltoall_reduce_scatter(
 
     if async_op:
         work = dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True)
-        return DecodeOnWait(work, reduce, "all_to_all_single")
+        return DecodeOnWait(work, reduce, "all_to_all_single", keep_alive=(send,))
     dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group)
     reduce()
     return None

@@ -4,7 +4,9 @@ FSDP2 calls these with its flat, padded, rank-ordered buffers (``docs/qsdp.md``,
 hands a comm").
 With a codec they run the quantized collectives of :mod:`qaccel.comm`; without one (bits off,
 or a unit too small to be worth it) they issue exactly FSDP2's default collective and only count
-its bytes, so the hook path itself changes nothing.
+its bytes, so the hook path itself changes nothing. On CPU the reduce-scatter of either kind may
+return with its transport running and be finished before backward ends
+(:mod:`qaccel.fsdp._rs_overlap`), with bit-identical gradients.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,7 @@ from ..comm import (
     quantized_all_gather,
     quantized_reduce_scatter,
 )
+from ._rs_overlap import FSDPTail, ReduceScatterOverlap
 from ._seeds import SeedSchedule
 
 __all__ = ["UnitPlan", "QuantizedAllGather", "QuantizedReduceScatter", "KIND_QSDP_AG", "KIND_QSDP_RS", "KIND_FSDP_AG", "KIND_FSDP_RS"]
@@ -126,13 +130,15 @@ class _UnitComm:
         # Hierarchical QSDP: replica index * shard size, so gradient seeds name the rank among all
         # ranks and the replicas of a shard draw independent noise (0 on a 1-D mesh).
         self.owner_offset = 0
+        # QSDPConfig.overlap_reduce_scatter: the model's pending reduce-scatters (set by the installer).
+        self.overlap: ReduceScatterOverlap | None = None
 
     def _poolable(self, numel: int) -> bool:
         return True
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device, pooled: bool = False) -> torch.Tensor:
         numel = math.prod(size)
-        if self.buffers is None or not self._poolable(numel):
+        if self.buffers is None or not (pooled or self._poolable(numel)):
             return torch.empty(*size, dtype=dtype, device=device)
         return self.buffers.get(numel, dtype, device).view(*size)
 
@@ -152,6 +158,9 @@ class QuantizedAllGather(_UnitComm, AllGather):
     """
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        if self.overlap is not None:
+            # The first collective after a backward that raised: settle its pending reduce-scatters.
+            self.overlap.drop_stale()
         if self.codec is None:
             return counted_all_gather(output_tensor, input_tensor, group, self.meter, KIND_FSDP_AG, async_op=async_op)
         layout = self.plan.layout(self.codec, input_tensor.numel(), input_tensor.dtype)
@@ -184,6 +193,11 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
     elements), allocated zero on the first call and carried from call to call, micro-batches
     included; ``error`` is saved as it is and :meth:`load_error_state` restores it.
 
+    Overlap (``QSDPConfig.overlap_reduce_scatter``, set by the installer as ``overlap``): on CPU a
+    call whose output FSDP2 only divides, casts and turns into gradients starts its transport and
+    returns with ``-0.0`` in the output; :class:`qaccel.fsdp._rs_overlap.ReduceScatterOverlap`
+    finishes it before backward ends. Seeds and error feedback advance at the call, as without it.
+
     Args:
         plan: the unit's segment map.
         codec: the gradient quantizer, or ``None`` for the stock collective with FSDP's own op.
@@ -205,6 +219,8 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
         super().__init__(plan, codec, seeds, meter, buffers)
         self.error_dtype = error_dtype if self.codec is not None else None
         self.error: torch.Tensor | None = None
+        # The unit's FSDPParamGroup, whose use of the output an overlapped call replays (set by the installer).
+        self.param_group: Any = None
 
     def load_error_state(self, error: torch.Tensor | None) -> None:
         """Restore a saved buffer (``None``: start from zero), cast to this unit's store dtype."""
@@ -229,6 +245,22 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
         op: dist.ReduceOp,
         async_op: bool = False,
     ) -> dist.Work | None:
+        if self.overlap is not None and not async_op and output_tensor.device.type == "cpu":
+            # On CPU FSDP2 calls this synchronously; overlap the transport with the rest of backward
+            # where FSDP2's use of the output can be replayed exactly (qaccel.fsdp._rs_overlap).
+            tail = self.overlap.plan(self.param_group, group, output_tensor, op)
+            if isinstance(tail, FSDPTail):
+                reduced = self.allocate(output_tensor.shape, dtype=output_tensor.dtype, device=output_tensor.device, pooled=True)
+                start = lambda into: self._reduce_scatter(into, input_tensor, group, op, async_op=True)  # noqa: E731
+                self.overlap.start(start, output_tensor, tail, reduced)
+                return None
+            self.overlap.fall_back(tail)
+        return self._reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+    def _reduce_scatter(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool
+    ) -> dist.Work | None:
+        """The collective itself: quantized all-to-all with an fp32 sum, or FSDP2's own with byte counting."""
         if self.codec is None:
             return counted_reduce_scatter(output_tensor, input_tensor, group, op, self.meter, KIND_FSDP_RS, async_op=async_op)
         world, rank = group.size(), group.rank()

@@ -23,11 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _torch_internals as torch_internals
 from ..comm import BufferPool, PhaseTimer, WireMeter, default_meter
 from ._comms import QuantizedAllGather, QuantizedReduceScatter, UnitPlan
 from ._master import requantize_shards
 from ._prefetch import apply_prefetch
 from ._replica import ReplicaAllReduce
+from ._rs_overlap import ReduceScatterOverlap
 from ._seeds import SeedSchedule
 from ._units import FSDPUnit, check_replica_group, find_units, require_custom_comms
 from .config import QSDPConfig
@@ -58,6 +60,7 @@ class QSDPHandle:
     world_size: int
     replica_all_reduces: list[ReplicaAllReduce] = field(default_factory=list)
     replicas: int = 1
+    reduce_scatter_overlap: ReduceScatterOverlap | None = None  # QSDPConfig.overlap_reduce_scatter
     _hooks: list = field(default_factory=list)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -203,6 +206,8 @@ def install_qsdp(
     shard_rank = units[0].params[0].device_mesh.get_local_rank() if replicas > 1 and units[0].params else 0
     owner_offset = replica_group.rank() * world_size if replicas > 1 else 0
     buffers = BufferPool()  # one per model: units of equal size share their buffers
+    # One per model: pending reduce-scatters finish in the order they started, whichever unit.
+    overlap = ReduceScatterOverlap() if config.overlap_reduce_scatter else None
     plans, all_gathers, reduce_scatters, replica_all_reduces = [], [], [], []
     for unit in units:
         plan = UnitPlan.build(
@@ -217,6 +222,11 @@ def install_qsdp(
         reduce_scatter = QuantizedReduceScatter(plan, config.grad_codec(), seeds, meter, buffers, config.error_feedback_dtype())
         refuse_unsupported(unit, weights_quantized=all_gather.codec is not None, grads_quantized=reduce_scatter.codec is not None)
         reduce_scatter.owner_offset = owner_offset
+        all_gather.overlap = reduce_scatter.overlap = overlap
+        # find_units refused units with several param groups: one, or none for a unit without parameters
+        # (which never reduce-scatters).
+        groups = torch_internals.param_groups(torch_internals.fsdp_state(unit.modules[0]))
+        reduce_scatter.param_group = groups[0] if groups else None
         plans.append(plan)
         all_gathers.append(all_gather)
         reduce_scatters.append(reduce_scatter)
@@ -238,7 +248,7 @@ def install_qsdp(
             module.set_custom_reduce_scatter(reduce_scatter)
     if config.prefetch:
         apply_prefetch(model)
-    handle = QSDPHandle(config, units, plans, all_gathers, reduce_scatters, seeds, world_size, replica_all_reduces, replicas)
+    handle = QSDPHandle(config, units, plans, all_gathers, reduce_scatters, seeds, world_size, replica_all_reduces, replicas, overlap)
     for optimizer in optimizers:
         handle.attach_optimizer(optimizer)
     logger.debug("QSDP installed on %d FSDP units: %s", len(units), handle.describe())

@@ -11,9 +11,11 @@ stock or QSDP-equipped FSDP2 model (``docs/qsdp.md``, "Overlap"):
   returns a work object at once, and FSDP2 waits on it only when the unit's forward needs it.
 
 The prefetched all-gathers use the seeds of the step they belong to, so QSDP results are
-bit-identical with and without prefetch. Reduce-scatters stay where FSDP2 puts them: FSDP2 uses
-the reduced shard right after the call, so on CPU that call must be complete when it returns (on
-CUDA it is ordered in FSDP2's reduce-scatter stream and overlaps the next unit's backward anyway).
+bit-identical with and without prefetch. Reduce-scatters are not this module's concern: FSDP2 uses
+the reduced shard right after the call, so on CPU the QSDP comm overlaps them by itself
+(:mod:`qaccel.fsdp._rs_overlap`, ``QSDPConfig.overlap_reduce_scatter``); a stock FSDP2 model keeps
+its synchronous CPU reduce-scatter (on CUDA it is ordered in FSDP2's reduce-scatter stream and
+overlaps the next unit's backward anyway).
 """
 
 from __future__ import annotations

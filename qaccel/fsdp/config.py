@@ -38,10 +38,11 @@ _BUCKET_FIELDS = ("weight_bucket_size", "grad_bucket_size")
 _META_FIELDS = ("weight_meta_dtype", "grad_meta_dtype")
 _INT_FIELDS = ("seed", "param_min_numel", "unit_min_numel")
 _WORD_FIELDS = ("rounding", "master_weights", "weight_rotation", "grad_rotation")
+_BOOL_FIELDS = ("prefetch", "overlap_reduce_scatter")
 # Stores of the gradient error-feedback buffer (grad_error_feedback), or off.
 ERROR_FEEDBACK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Settings that change how fast a step runs but not one bit of its results: a resume may change them.
-SPEED_ONLY_FIELDS = ("prefetch",)
+SPEED_ONLY_FIELDS = ("prefetch", "overlap_reduce_scatter")
 
 
 #: Named settings for :meth:`QSDPConfig.preset`: the fields they set and what the project measured.
@@ -135,6 +136,14 @@ class QSDPConfig(SettingsMixin):
             Results are bit-identical either way; the price is one more unit's unsharded weights in
             memory. ``True`` (default), ``False``, or ``1``/``0``/``on``/``off``/``true``/``false``
             (``QACCEL_QSDP_PREFETCH``).
+        overlap_reduce_scatter: on CPU (gloo), return from each unit's reduce-scatter with its
+            transport still running and finish it when the next unit's reduce-scatter starts or
+            backward ends, so the transport overlaps the rest of backward (``docs/qsdp.md``,
+            "Overlap"). Gradients are bit-identical either way; a call whose output something may
+            read before backward ends (hierarchical QSDP's replica all-reduce hook,
+            post-accumulate-grad hooks, CPU offload) runs synchronously. No effect on CUDA, where
+            FSDP2's reduce-scatter stream overlaps. ``True`` (default), ``False``, or the words
+            ``prefetch`` takes (``QACCEL_QSDP_OVERLAP_REDUCE_SCATTER``).
     """
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
@@ -196,6 +205,11 @@ class QSDPConfig(SettingsMixin):
     prefetch: bool = field(
         default=True, metadata={"help": "overlap each unit's all-gather with its neighbour's compute; same results, one more unit in memory (default true)"}
     )
+    overlap_reduce_scatter: bool = field(
+        default=True,
+        metadata={"help": "overlap each unit's reduce-scatter with the rest of backward on CPU (gloo); same gradients, bit for bit "
+                          "(default true)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         # One normalisation for every source (code, environment, recipe): see the module docstring.
@@ -233,7 +247,8 @@ class QSDPConfig(SettingsMixin):
                                  "whose exact reduce-scatter has no error to feed back")  # fmt: skip
         _check_int("param_min_numel", self.param_min_numel, 0)
         _check_int("unit_min_numel", self.unit_min_numel, 0)
-        object.__setattr__(self, "prefetch", parse_bool(self.prefetch, key="QSDPConfig.prefetch"))
+        for name in _BOOL_FIELDS:
+            object.__setattr__(self, name, parse_bool(getattr(self, name), key=f"QSDPConfig.{name}"))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> QSDPConfig:

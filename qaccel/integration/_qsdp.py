@@ -87,6 +87,7 @@ QSDP_KEYWORDS = (
     "grad_rotation",
     "grad_error_feedback",
     "prefetch",
+    "overlap_reduce_scatter",
 )
 
 
@@ -139,6 +140,7 @@ class QSDPPlugin(FullyShardedDataParallelPlugin):
     grad_rotation: InitVar[Any] = _NOT_GIVEN
     grad_error_feedback: InitVar[Any] = _NOT_GIVEN
     prefetch: InitVar[Any] = _NOT_GIVEN
+    overlap_reduce_scatter: InitVar[Any] = _NOT_GIVEN
 
     def __post_init__(self, recipe: str | os.PathLike | None, *qsdp_values: Any) -> None:
         given = {name: value for name, value in zip(QSDP_KEYWORDS, qsdp_values, strict=True) if value is not _NOT_GIVEN}

@@ -171,8 +171,10 @@ def _calls_per_collective(rank, world_size, n_layer):
     _backend.kernels_for = lambda device: counting
     try:
         model = shard_like_accelerate(build_gpt2(seed=0, n_layer=n_layer), world_size)
-        # One unit holding everything (root) gets many segments; blocks get a handful.
-        handle = install_qsdp(model, QSDPConfig(weight_bits=8, grad_bits=4, unit_min_numel=0, prefetch=False), meter=WireMeter())
+        # One unit holding everything (root) gets many segments; blocks get a handful. Synchronous
+        # collectives (no prefetch, no overlapped reduce-scatter), so every call's kernels run inside it.
+        config = QSDPConfig(weight_bits=8, grad_bits=4, unit_min_numel=0, prefetch=False, overlap_reduce_scatter=False)
+        handle = install_qsdp(model, config, meter=WireMeter())
         per_call = []
         for comm in (*handle.all_gathers, *handle.reduce_scatters):
             if comm.codec is None:

@@ -60,6 +60,10 @@ class Method:
             buffer (pytorch/pytorch#118911): the fair fp32 baseline, a true reduce-scatter.
         ddp_buckets: DDP's gradient buckets: ``"default"`` or ``"one"`` (a cap that holds the whole model).
             PowerSGD needs one on gloo: torch's hook deadlocks there with several (``docs/powersgd_gloo.md``).
+        overlap_comm: a 1-bit optimizer's ``overlap_comm`` under DDP (start each bucket's 1-bit all-reduce
+            in backward, the default; False: the optimizer step runs it after backward).
+        overlap_reduce_scatter: QSDP's ``overlap_reduce_scatter`` (the default, True: the reduce-scatter's
+            transport runs while autograd computes the next unit; False: FSDP2 waits for it).
     """
 
     name: str
@@ -74,6 +78,8 @@ class Method:
     reduce_scatter: str = "fsdp"
     ddp_buckets: str = "default"
     optimizer: str = "adamw"
+    overlap_comm: bool = True
+    overlap_reduce_scatter: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer not in _OPTIMIZERS:
@@ -110,12 +116,16 @@ _TABLE = (
     Method("qsdp-w8g8", "QSDP W8G8", "fsdp", qsdp=(8, 8)),
     Method("qsdp-w8g8-bf16", "QSDP W8G8, bf16 compute", "fsdp", compute="bf16", qsdp=(8, 8)),
     Method("qsdp-w4g4", "QSDP W4G4", "fsdp", qsdp=(4, 4)),
+    Method("qsdp-w8g8-rs-serial", "QSDP W8G8, reduce-scatter not overlapped", "fsdp", qsdp=(8, 8), overlap_reduce_scatter=False),
+    Method("qsdp-w4g4-rs-serial", "QSDP W4G4, reduce-scatter not overlapped", "fsdp", qsdp=(4, 4), overlap_reduce_scatter=False),
     Method("qsdp-w4g4-bf16", "QSDP W4G4, bf16 compute", "fsdp", compute="bf16", qsdp=(4, 4)),
     Method("ddp-adamw", "DDP AdamW", "ddp", ddp="adamw"),
     Method("ddp-powersgd", "DDP AdamW + PowerSGD hook (rank 1, one DDP bucket)", "ddp", ddp="powersgd", meter="ring", ddp_buckets="one"),
     Method("ddp-bf16", "DDP AdamW + bf16 compression hook", "ddp", ddp="bf16", meter="ring"),
     Method("onebit-adam", "1-bit Adam", "ddp", ddp="onebit", optimizer="onebit"),
     Method("zero-one-adam", "0/1 Adam", "ddp", ddp="onebit", optimizer="zero_one"),
+    Method("onebit-adam-serial", "1-bit Adam, 1-bit all-reduce after backward", "ddp", ddp="onebit", optimizer="onebit", overlap_comm=False),
+    Method("zero-one-adam-serial", "0/1 Adam, 1-bit all-reduce after backward", "ddp", ddp="onebit", optimizer="zero_one", overlap_comm=False),
     # several nodes only (``--nodes`` >= 2): sharded within a node, replicated across nodes
     Method("hsdp-fp32", "HSDP fp32 (stock FSDP2, 2-D mesh)", "fsdp", meter="ring", mesh="hsdp"),
     Method("hqsdp-w8g8-r8", "hierarchical QSDP: W8G8 in a node, 8-bit across", "fsdp", qsdp=(8, 8), mesh="hqsdp", replica_grad_bits=8),

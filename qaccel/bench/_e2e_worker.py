@@ -163,9 +163,14 @@ def _setup_fsdp(
     if method.qsdp is not None:
         weight_bits, grad_bits = method.qsdp
         if qsdp_replica_group is None:
-            config = qfsdp.QSDPConfig(weight_bits=weight_bits, grad_bits=grad_bits, prefetch=prefetch)
+            config = qfsdp.QSDPConfig(
+                weight_bits=weight_bits, grad_bits=grad_bits, prefetch=prefetch, overlap_reduce_scatter=method.overlap_reduce_scatter
+            )
         else:
-            config = qfsdp.QSDPConfig(weight_bits=weight_bits, grad_bits=grad_bits, replica_grad_bits=method.replica_grad_bits, prefetch=prefetch)
+            config = qfsdp.QSDPConfig(
+                weight_bits=weight_bits, grad_bits=grad_bits, replica_grad_bits=method.replica_grad_bits, prefetch=prefetch,
+                overlap_reduce_scatter=method.overlap_reduce_scatter,
+            )  # fmt: skip
         handle = qfsdp.install_qsdp(
             model, config, optimizers=[optimizer], meter=meter, replica_group=qsdp_replica_group
         )
@@ -193,7 +198,7 @@ def _onebit_optimizer(method: Method, model: torch.nn.Module, lr: float, meter, 
     if probe is None:
         raise ValueError(f"{method.name}: a 1-bit optimizer needs the probe schedule (spec['probe']), got none")
     cls = ZeroOneAdam if method.optimizer == "zero_one" else OneBitAdam
-    return cls(model.parameters(), lr=lr, wire_meter=meter, **probe)
+    return cls(model.parameters(), lr=lr, wire_meter=meter, overlap_comm=method.overlap_comm, **probe)
 
 
 _KIND_A2A_RS = "bench.alltoall_reduce_scatter"

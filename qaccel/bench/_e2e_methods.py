@@ -58,7 +58,8 @@ class Method:
         reduce_scatter: ``"fsdp"`` (the installed comm's own) or ``"alltoall"``: qaccel's exact
             :func:`qaccel.comm.alltoall_reduce_scatter` in place of gloo's, which all-reduces the whole
             buffer (pytorch/pytorch#118911): the fair fp32 baseline, a true reduce-scatter.
-        ddp_buckets: DDP's gradient buckets: ``"default"`` or ``"one"`` (a cap that holds the whole model).
+        ddp_buckets: DDP's gradient buckets: ``"default"`` (25 MB), ``"one"`` (a cap that holds the whole
+            model) or ``"small"`` (4 MB: more, shorter 1-bit all-reduces to overlap with backward).
             PowerSGD needs one on gloo: torch's hook deadlocks there with several (``docs/powersgd_gloo.md``).
         overlap_comm: a 1-bit optimizer's ``overlap_comm`` under DDP (start each bucket's 1-bit all-reduce
             in backward, the default; False: the optimizer step runs it after backward).
@@ -125,6 +126,8 @@ _TABLE = (
     Method("onebit-adam", "1-bit Adam", "ddp", ddp="onebit", optimizer="onebit"),
     Method("zero-one-adam", "0/1 Adam", "ddp", ddp="onebit", optimizer="zero_one"),
     Method("onebit-adam-serial", "1-bit Adam, 1-bit all-reduce after backward", "ddp", ddp="onebit", optimizer="onebit", overlap_comm=False),
+    Method("onebit-adam-4mb", "1-bit Adam, 4 MB DDP buckets", "ddp", ddp="onebit", optimizer="onebit", ddp_buckets="small"),
+    Method("zero-one-adam-4mb", "0/1 Adam, 4 MB DDP buckets", "ddp", ddp="onebit", optimizer="zero_one", ddp_buckets="small"),
     Method("zero-one-adam-serial", "0/1 Adam, 1-bit all-reduce after backward", "ddp", ddp="onebit", optimizer="zero_one", overlap_comm=False),
     # several nodes only (``--nodes`` >= 2): sharded within a node, replicated across nodes
     Method("hsdp-fp32", "HSDP fp32 (stock FSDP2, 2-D mesh)", "fsdp", meter="ring", mesh="hsdp"),

@@ -202,6 +202,7 @@ def _onebit_optimizer(method: Method, model: torch.nn.Module, lr: float, meter, 
 
 
 _KIND_A2A_RS = "bench.alltoall_reduce_scatter"
+SMALL_DDP_BUCKET_MB = 4.0  # ddp_buckets="small": 4 MB of fp32 gradients, 128 KB once 1-bit
 
 
 def _alltoall_reduce_scatter_comm(installed, meter):  # noqa: ANN001, ANN202
@@ -232,7 +233,11 @@ def _setup_ddp(method: Method, model: torch.nn.Module, meter, lr: float, probe: 
     from torch.nn.parallel import DistributedDataParallel
 
     info: dict = {}
-    if method.ddp_buckets == "one":
+    if method.ddp_buckets == "small":
+        cap_mb = SMALL_DDP_BUCKET_MB
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)  # an explicit cap sizes the first bucket too
+        info["ddp_bucket_cap_mb"] = cap_mb
+    elif method.ddp_buckets == "one":
         # an explicit cap also sizes DDP's first bucket, so the whole model is one bucket (docs/powersgd_gloo.md)
         cap_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
         ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)

@@ -14,10 +14,11 @@ import torch.distributed as dist
 
 from .._torch_internals import foreach_mul_, foreach_norm
 from ..comm import OneBitLayout, WireMeter, compressed_allreduce, default_meter, onebit_layout, ring_all_reduce_bytes
+from ._functional import adam_direction, descend, update_moments
 from ._overlap import OneBitOverlap
 from ._resume import ResumeMixin
 from ._schedule import CommPlan, OneBitAdamSchedule, StepKind, ZeroOneAdamSchedule
-from ._units import Unit, build_units, unit_grad, unit_params_as_weights
+from ._units import Unit, build_units, unit_grad, unit_params_as_weights, unit_weights, write_back
 from .config import _OneBitConfigBase
 
 __all__ = ["OneBitOptimizerBase", "COMPRESSED_KINDS"]
@@ -292,6 +293,21 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
     ) -> None:
         """The step of ``kind``; ``started`` holds the averaged payloads of units overlapped in backward."""
         raise NotImplementedError
+
+    def _step_full(self, units: list[Unit], grads: list[torch.Tensor | None]) -> None:
+        """A FULL step: Adam moments from the all-reduced gradients, then descend."""
+        for unit, grad in zip(units, grads, strict=True):
+            if grad is None:
+                continue
+            group, state = self._group_of(unit), self.state[unit.anchor]
+            update_moments(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
+            self._descend(unit, state, group)
+
+    def _descend(self, unit: Unit, state: dict, group: dict) -> None:
+        """``w -= lr (m / (sqrt(v) + eps) + wd w)`` on the unit's working weights, written back."""
+        weights = unit_weights(unit, state)
+        descend(weights, adam_direction(state["exp_avg"], state["exp_avg_sq"], weights, group["eps"], group["weight_decay"]), group["lr"])
+        write_back(unit, weights)
 
     def _compressed_payload(self, kind: StepKind, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         """What ``unit`` sends through the 1-bit all-reduce on a step of ``kind`` (state updated as needed)."""

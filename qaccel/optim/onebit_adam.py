@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from ..comm import WireMeter
 from ._base import OneBitOptimizerBase
-from ._functional import adam_direction, descend, update_moments, update_momentum
+from ._functional import update_momentum
 from ._schedule import OneBitAdamSchedule, StepKind
-from ._units import Unit, unit_mask, unit_weights, write_back
+from ._units import Unit, unit_mask
 from .config import OneBitAdamConfig
 
 __all__ = ["OneBitAdam"]
@@ -67,12 +67,7 @@ class OneBitAdam(OneBitOptimizerBase):
         started: dict[Unit, torch.Tensor],
     ) -> None:
         if kind is StepKind.FULL:
-            for unit, grad in zip(units, grads, strict=True):
-                if grad is None:
-                    continue
-                group, state = self._group_of(unit), self.state[unit.anchor]
-                update_moments(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
-                self._descend(unit, state, group)
+            self._step_full(units, grads)
             return
         self._step_compressed(kind, units, grads, world_size, started)
 
@@ -89,8 +84,3 @@ class OneBitAdam(OneBitOptimizerBase):
         if mask is not None:
             state["exp_avg"].mul_(mask)
         self._descend(unit, state, group)
-
-    def _descend(self, unit: Unit, state: dict, group: dict) -> None:
-        weights = unit_weights(unit, state)
-        descend(weights, adam_direction(state["exp_avg"], state["exp_avg_sq"], weights, group["eps"], group["weight_decay"]), group["lr"])
-        write_back(unit, weights)

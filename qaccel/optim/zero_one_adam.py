@@ -12,13 +12,10 @@ import torch.distributed as dist
 from ..comm import WireMeter
 from ._base import OneBitOptimizerBase
 from ._functional import (
-    adam_direction,
-    descend,
     finish_sync,
     local_step,
     local_update,
     sync_payload,
-    update_moments,
     update_momentum,
 )
 from ._schedule import Phase, StepKind, ZeroOneAdamSchedule
@@ -119,12 +116,7 @@ class ZeroOneAdam(OneBitOptimizerBase):
         started: dict[Unit, torch.Tensor],
     ) -> None:
         if kind is StepKind.FULL:
-            for unit, grad in zip(units, grads, strict=True):
-                if grad is None:
-                    continue
-                group, state = self._group_of(unit), self.state[unit.anchor]
-                update_moments(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
-                self._descend(unit, state, group)
+            self._step_full(units, grads)
             return
         if kind is StepKind.LOCAL:
             for unit, grad in zip(units, grads, strict=True):
@@ -174,9 +166,4 @@ class ZeroOneAdam(OneBitOptimizerBase):
             state["momentum_accumulator"], averaged, state["lrs"], group["eps"],
         )  # fmt: skip
         state["lrs"] = 0.0
-        write_back(unit, weights)
-
-    def _descend(self, unit: Unit, state: dict, group: dict) -> None:
-        weights = unit_weights(unit, state)
-        descend(weights, adam_direction(state["exp_avg"], state["exp_avg_sq"], weights, group["eps"], group["weight_decay"]), group["lr"])
         write_back(unit, weights)

@@ -11,7 +11,13 @@ and why no public API does it:
   with its ``_modules``, ``_fsdp_param_groups`` and ``_states_to_{forward,backward}_prefetch``; each
   ``FSDPParamGroup``'s ``fsdp_params``, ``mp_policy``, ``mesh_info`` / ``post_forward_mesh_info``,
   ``unshard_async_op`` and installed ``_all_gather_comm`` / ``_reduce_scatter_comm``; each
-  ``FSDPParam``'s ``sharded_param`` and ``_sharded_local_tensor``.
+  ``FSDPParam``'s ``sharded_param`` and ``_sharded_local_tensor``. For the overlapped reduce-scatter
+  (``qaccel.fsdp._rs_overlap``), what FSDP2 does with a reduced shard: ``_get_gradient_divide_factors``
+  of ``_fsdp_collectives``, a group's ``force_sum_reduction_for_comms`` and ``_orig_dtype``, a param's
+  ``sharded_size``, ``contiguous_sharded_stride``, ``offload_to_cpu`` and ``fsdp_placement``.
+- Autograd: ``torch._C._current_graph_task_id`` (is this thread in a backward pass) and the engine's
+  ``queue_callback`` (run once the pass ends: FSDP2 finalizes its backward the same way), and a
+  tensor's ``_post_accumulate_grad_hooks`` (whether something reads ``.grad`` during backward).
 - ``torch._C._storage_Use_Count``: how many tensors share a storage (the comm buffer pool's
   "nobody holds this buffer any more" test).
 - ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: where a DTensor shard
@@ -53,6 +59,16 @@ __all__ = [
     "clear_prefetch_targets",
     "sharded_param",
     "sharded_local_tensor",
+    "group_force_sum_reduction",
+    "group_orig_dtype",
+    "gradient_divide_factors",
+    "param_sharded_size",
+    "param_contiguous_sharded_stride",
+    "param_offloads_to_cpu",
+    "param_shard_dim",
+    "current_graph_task_id",
+    "queue_backward_callback",
+    "has_post_accumulate_grad_hooks",
     "storage_use_count",
     "dtensor_global_offset",
     "foreach_norm",
@@ -162,7 +178,62 @@ def sharded_local_tensor(fsdp_param: Any) -> torch.Tensor:
     return TORCH.get(fsdp_param, "_sharded_local_tensor", purpose, owner="FSDPParam")
 
 
+_RS_OVERLAP = "overlapping the QSDP reduce-scatter with backward on CPU"
+_FSDP_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+
+
+def group_force_sum_reduction(group: Any) -> bool:
+    """Whether ``set_force_sum_reduction_for_comms(True)`` is set on a param group."""
+    return bool(TORCH.get(group, "force_sum_reduction_for_comms", _RS_OVERLAP, owner="FSDPParamGroup"))
+
+
+def group_orig_dtype(group: Any) -> torch.dtype | None:
+    """The parameters' own dtype, which FSDP2 casts a reduced gradient shard to (set at its lazy init)."""
+    return TORCH.get(group, "_orig_dtype", _RS_OVERLAP, owner="FSDPParamGroup")
+
+
+def gradient_divide_factors() -> Any:
+    """FSDP2's ``_get_gradient_divide_factors``: the reduce op a comm gets and what FSDP2 divides by afterwards."""
+    return TORCH.get(importlib.import_module(_FSDP_COLLECTIVES), "_get_gradient_divide_factors", _RS_OVERLAP)
+
+
+def param_sharded_size(fsdp_param: Any) -> torch.Size:
+    """The local shard's size of an ``FSDPParam`` (padded rows excluded)."""
+    return TORCH.get(fsdp_param, "sharded_size", _RS_OVERLAP, owner="FSDPParam")
+
+
+def param_contiguous_sharded_stride(fsdp_param: Any) -> tuple[int, ...]:
+    """The stride FSDP2 views a contiguous shard with, inside its flat reduce-scatter output."""
+    return TORCH.get(fsdp_param, "contiguous_sharded_stride", _RS_OVERLAP, owner="FSDPParam")
+
+
+def param_offloads_to_cpu(fsdp_param: Any) -> bool:
+    """Whether an ``FSDPParam`` is offloaded to the CPU (``CPUOffloadPolicy``)."""
+    return bool(TORCH.get(fsdp_param, "offload_to_cpu", _RS_OVERLAP, owner="FSDPParam"))
+
+
+def param_shard_dim(fsdp_param: Any) -> int:
+    """The dimension an ``FSDPParam`` is sharded on (0 unless ``shard_placement_fn`` chose another)."""
+    return int(TORCH.get(fsdp_param, "fsdp_placement", _RS_OVERLAP, owner="FSDPParam").dim)
+
+
 # ----------------------------------------------------------------------------------- torch core
+def current_graph_task_id() -> int:
+    """The autograd graph task running in this thread (-1 outside backward)."""
+    return int(TORCH.get(torch._C, "_current_graph_task_id", _RS_OVERLAP, owner="torch._C")())
+
+
+def queue_backward_callback(callback: Any) -> None:
+    """Run ``callback`` when the current backward pass ends, after the callbacks queued before it."""
+    engine = TORCH.get(torch.autograd.Variable, "_execution_engine", _RS_OVERLAP, owner="torch.autograd.Variable")
+    engine.queue_callback(callback)
+
+
+def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
+    """Whether ``register_post_accumulate_grad_hook`` put a hook on ``tensor``."""
+    return bool(TORCH.get(tensor, "_post_accumulate_grad_hooks", _RS_OVERLAP, owner="Tensor"))
+
+
 def storage_use_count(tensor: torch.Tensor) -> int:
     """How many tensors (views included) share ``tensor``'s storage."""
     purpose = "telling when a pooled comm buffer is free"

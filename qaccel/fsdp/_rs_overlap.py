@@ -31,7 +31,6 @@ On CUDA nothing changes: FSDP2 orders the comm in its reduce-scatter stream, whi
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 from collections import Counter
@@ -46,42 +45,6 @@ from .. import _torch_internals as torch_internals
 __all__ = ["ReduceScatterOverlap", "FSDPTail"]
 
 logger = logging.getLogger(__name__)
-
-_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
-_PURPOSE = "overlapping the QSDP reduce-scatter with backward on CPU"
-TORCH = torch_internals.TORCH
-
-
-# -- torch's private surface this module reads (checked against torch 2.13, like qaccel._torch_internals)
-def _group_attr(group: Any, name: str) -> Any:
-    return TORCH.get(group, name, _PURPOSE, owner="FSDPParamGroup")
-
-
-def _param_attr(fsdp_param: Any, name: str) -> Any:
-    return TORCH.get(fsdp_param, name, _PURPOSE, owner="FSDPParam")
-
-
-def _gradient_divide_factors() -> Callable[..., tuple]:
-    """FSDP2's ``_get_gradient_divide_factors``: which op the comm gets, and what FSDP2 divides by afterwards."""
-    return TORCH.get(importlib.import_module(_COLLECTIVES), "_get_gradient_divide_factors", _PURPOSE)
-
-
-def _current_graph_task_id() -> int:
-    """The autograd graph task running in this thread (-1 outside backward)."""
-    return int(TORCH.get(torch._C, "_current_graph_task_id", _PURPOSE, owner="torch._C")())
-
-
-def _queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the current backward pass ends (after the callbacks queued before it)."""
-    engine = TORCH.get(torch.autograd.Variable, "_execution_engine", _PURPOSE, owner="torch.autograd.Variable")
-    engine.queue_callback(callback)
-
-
-def _has_post_accumulate_grad_hooks(param: torch.Tensor) -> bool:
-    return bool(TORCH.get(param, "_post_accumulate_grad_hooks", _PURPOSE, owner="Tensor"))
-
-
-# ---------------------------------------------------------------------------------------------------
 
 
 class FSDPTail:
@@ -113,9 +76,9 @@ class FSDPTail:
         offset = 0
         with torch.no_grad():
             for fsdp_param in self.fsdp_params:
-                sharded_size = _param_attr(fsdp_param, "sharded_size")
+                sharded_size = torch_internals.param_sharded_size(fsdp_param)
                 piece = torch.as_strided(
-                    reduced, size=sharded_size, stride=_param_attr(fsdp_param, "contiguous_sharded_stride"), storage_offset=offset
+                    reduced, size=sharded_size, stride=torch_internals.param_contiguous_sharded_stride(fsdp_param), storage_offset=offset
                 )
                 grad = torch_internals.sharded_param(fsdp_param).grad
                 grad.to_local().add_(piece)  # FSDP2's own accumulation: `grad._local_tensor += new_sharded_grad`
@@ -173,31 +136,31 @@ class ReduceScatterOverlap:
             output: FSDP2's reduce-scatter output.
             op: the reduce op FSDP2 handed the comm.
         """
-        if _current_graph_task_id() < 0:
+        if torch_internals.current_graph_task_id() < 0:
             return "outside backward"
         if torch_internals.group_all_reduce_hook(param_group) is not None:
             return "all-reduce hook"  # hierarchical QSDP: the hook all-reduces the shard right after the comm
         world = process_group.size()
         fsdp_params = torch_internals.group_params(param_group)
         for fsdp_param in fsdp_params:
-            if _param_attr(fsdp_param, "offload_to_cpu"):
+            if torch_internals.param_offloads_to_cpu(fsdp_param):
                 return "cpu offload"
-            if _has_post_accumulate_grad_hooks(torch_internals.sharded_param(fsdp_param)):
+            if torch_internals.has_post_accumulate_grad_hooks(torch_internals.sharded_param(fsdp_param)):
                 return "post-accumulate-grad hook"
-            if _param_attr(fsdp_param, "fsdp_placement").dim != 0:
+            if torch_internals.param_shard_dim(fsdp_param) != 0:
                 return "shard dim"
         if sum(_padded_shard_numel(torch_internals.sharded_param(p).shape, world) for p in fsdp_params) != output.numel():
             return "partial gradients"  # some parameters had no gradient: FSDP2 reduced a subset
         # FSDP2's own choice, computed the way foreach_reduce computes it (a 1-D mesh: no all-reduce group).
-        _, post_divide, expected_op, _ = _gradient_divide_factors()(
+        _, post_divide, expected_op, _ = torch_internals.gradient_divide_factors()(
             process_group, None, output.dtype, output.device.type,
-            torch_internals.group_gradient_divide_factor(param_group), _group_attr(param_group, "force_sum_reduction_for_comms"),
+            torch_internals.group_gradient_divide_factor(param_group), torch_internals.group_force_sum_reduction(param_group),
         )  # fmt: skip
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or expected_op != op:
             return "reduce op"
         if post_divide is not None and not (math.isfinite(post_divide) and post_divide > 0):
             return "divide factor"  # -0.0 / f is -0.0 only for a positive finite f
-        return FSDPTail(fsdp_params, world, post_divide, _group_attr(param_group, "_orig_dtype"))
+        return FSDPTail(fsdp_params, world, post_divide, torch_internals.group_orig_dtype(param_group))
 
     def fall_back(self, reason: str) -> None:
         """Record a synchronous call and finish what is pending first, so calls complete in order."""
@@ -220,12 +183,12 @@ class ReduceScatterOverlap:
         output.fill_(-0.0)
         self._pending.append(_Pending(work, reduced, tail))
         self.overlapped += 1
-        task = _current_graph_task_id()
+        task = torch_internals.current_graph_task_id()
         if task not in self._callback_tasks:
             # Queued during this backward: it runs after FSDP2's root callback, and again if that one
             # issues a reduce-scatter (a callback queued from a callback runs too).
             self._callback_tasks.add(task)
-            _queue_backward_callback(lambda: self._end_of_backward(task))
+            torch_internals.queue_backward_callback(lambda: self._end_of_backward(task))
 
     def _end_of_backward(self, task: int) -> None:
         self._callback_tasks.discard(task)
@@ -245,7 +208,7 @@ class ReduceScatterOverlap:
         zeroed the gradients since: adding the result now could corrupt the next step's gradients.
         The transport is still waited on, since every rank issued it.
         """
-        if not self._pending or _current_graph_task_id() >= 0:
+        if not self._pending or torch_internals.current_graph_task_id() >= 0:
             return
         logger.warning(
             "QSDP: %d reduce-scatter(s) of a backward pass that raised were still in flight; their gradients are "

@@ -111,6 +111,46 @@ def test_fsdp2_accessors_read_a_real_unit(one_rank):
     assert state._states_to_forward_prefetch == [] and state._states_to_backward_prefetch == []
 
 
+def test_the_reduce_scatter_overlap_accessors_read_a_real_unit(one_rank):
+    """What the overlapped reduce-scatter (qaccel.fsdp._rs_overlap) reads of FSDP2 and autograd."""
+    model = _sharded(one_rank)
+    (group,) = door.param_groups(door.fsdp_state(model[0]))
+    weight, bias = door.group_params(group)
+    assert door.param_sharded_size(weight) == torch.Size((6, 4)) and door.param_sharded_size(bias) == torch.Size((6,))
+    assert door.param_contiguous_sharded_stride(weight) == (4, 1)
+    assert door.param_offloads_to_cpu(weight) is False and door.param_shard_dim(weight) == 0
+    assert door.group_force_sum_reduction(group) is False
+    model[0].set_force_sum_reduction_for_comms(True)
+    assert door.group_force_sum_reduction(group) is True
+    model(torch.randn(2, 4)).sum().backward()  # FSDP2 sets the dtypes at its lazy init, in the first forward
+    assert door.group_orig_dtype(group) is torch.float32  # the parameters' dtype, which FSDP2 casts the shard back to
+    collectives = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_collectives")
+    assert door.gradient_divide_factors() is collectives._get_gradient_divide_factors
+    parameter = nn.Parameter(torch.ones(3))
+    assert door.has_post_accumulate_grad_hooks(parameter) is False
+    parameter.register_post_accumulate_grad_hook(lambda p: None)
+    assert door.has_post_accumulate_grad_hooks(parameter) is True
+    # inside a backward pass the graph task id is >= 0 and a queued callback runs once the pass ends
+    seen = []
+
+    def hook(grad):
+        seen.append(door.current_graph_task_id())
+        door.queue_backward_callback(lambda: seen.append("after"))
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(hook)
+    (x * 2).sum().backward()
+    assert door.current_graph_task_id() == -1 and seen[0] >= 0 and seen[1:] == ["after"]
+
+
+def test_a_missing_graph_task_id_names_the_versions(monkeypatch):
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    with pytest.raises(RuntimeError) as error:
+        door.current_graph_task_id()
+    assert_torch_message(error.value, "_current_graph_task_id")
+
+
 def test_the_comm_base_classes_are_fsdp2s():
     api = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_api")
     assert door.fsdp2_comm_bases() == (api.AllGather, api.ReduceScatter)

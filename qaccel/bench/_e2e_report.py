@@ -234,7 +234,8 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
             goals.append(_goal(f"{row['label']} at the full-overlap ideal", GOAL_BANDWIDTH,
                                row["fraction_of_ideal_full_overlap"], ">=", QSDP_OVERLAP_GOAL))  # fmt: skip
     for method, kind, target, against in _KIND_GOALS:
-        for row in [r for r in done if r["method"] == method and r["bandwidth"] == ONEBIT_GOAL_BANDWIDTH]:
+        # the row as users get it, and with the smaller DDP buckets that let more of the transfer overlap
+        for row in [r for r in done if r["method"] in (method, f"{method}-4mb") and r["bandwidth"] == ONEBIT_GOAL_BANDWIDTH]:
             figures = row.get("per_kind", {}).get(kind)
             if figures is None or "ideal_full_overlap_s" not in figures:
                 continue

@@ -304,7 +304,7 @@ class PendingCompressedAllReduce:
         # Phase 1: rank j receives chunk j of every worker, with every worker's scales.
         recv = _all_to_all(self.send, self.group, world_size, self.meter, f"{self.kind_prefix}.all_to_all")
         self.send = None  # finish() runs once
-        received_scales = recv[:, :scale_bytes].contiguous().view(torch.float32)  # (world, num_live)
+        received_scales = _scales(recv, scale_bytes)  # (world, num_live)
 
         # Server side: average the decoded chunks, compensate, compress again.
         server_row = torch.empty(row_bytes, dtype=torch.uint8, device=device)
@@ -329,7 +329,7 @@ class PendingCompressedAllReduce:
 
         # Phase 2: everyone gathers every server chunk and decodes the same bytes.
         gathered = _all_gather(server_row, self.group, world_size, self.meter, f"{self.kind_prefix}.all_gather")  # (world, row_bytes)
-        gathered_scales = gathered[:, :scale_bytes].contiguous().view(torch.float32)  # (world, num_live)
+        gathered_scales = _scales(gathered, scale_bytes)  # (world, num_live)
         for slot, ((layout, _, offset), output) in enumerate(zip(slots, self.live_outputs, strict=True)):
             server_chunks = SignCompressed(
                 signs=gathered[:, offset : offset + layout.chunk_sign_bytes].contiguous().view(-1),
@@ -341,6 +341,17 @@ class PendingCompressedAllReduce:
             decoded = sign_decompress(server_chunks)
             output.view(-1).copy_(decoded[: layout.numel])
         return self.outputs
+
+
+def _scales(rows: torch.Tensor, scale_bytes: int) -> torch.Tensor:
+    """The fp32 scales at the start of each row, as a new ``(rows, scales)`` tensor.
+
+    A copy, not ``.contiguous().view``: with one row the slice already counts as contiguous and keeps
+    the row's stride, which a byte-to-float view refuses.
+    """
+    scales = torch.empty((rows.shape[0], scale_bytes // _SCALE_BYTES), dtype=torch.float32, device=rows.device)
+    scales.view(torch.uint8).copy_(rows[:, :scale_bytes])
+    return scales
 
 
 def _all_gather_single():

@@ -110,6 +110,8 @@ class OneBitOverlap:
             return self._disabled
         if not optimizer.config.overlap_comm:
             return "overlap_comm is off"
+        if optimizer.world_size() == 1:
+            return "one rank: the 1-bit all-reduce is the identity, and the step skips it"
         if optimizer.config.gradient_clipping > 0:
             return "gradient_clipping needs the global norm, known only after backward"
         if optimizer._pending_resume is not None:

@@ -141,3 +141,16 @@ def test_bytes_recorded_equal_bytes_moved_and_formula(allreduce_run, mode):
         assert snapshot["total_recv_bytes"] == CALLS * formula
         assert got["collectives"] == {"all_to_all_single": CALLS * per_call.collectives // 2, "all_gather": CALLS * per_call.collectives // 2}
         assert snapshot["total"]["onebit.all_to_all"]["calls"] == CALLS * per_call.collectives // 2
+
+
+def test_alone_the_call_is_sign_times_rms_of_the_padded_tensor():
+    """World size 1 without torch.distributed: worker and server compress the same values, so the result
+    is ``||x'|| / sqrt(M') * sign(x)`` with ``x'`` zero-padded to ``M'`` (``x >= 0`` counts as +1)."""
+    x = torch.tensor([0.5, -2.0, 0.0, 3.0, -1.0], dtype=torch.float32)
+    layout = onebit_layout(x.numel(), 1)
+    assert layout.padded_numel == 8
+    worker, server = layout.new_error_buffers()
+    (out,) = compressed_allreduce([x], [worker], [server], [layout])
+    rms = torch.sqrt((x.double() ** 2).sum() / 8)
+    expected = (rms * torch.where(x >= 0, 1.0, -1.0).double()).float()
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=0)

@@ -30,6 +30,7 @@ Elsewhere the step runs the all-reduce itself, as before.
 from __future__ import annotations
 
 import logging
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -80,12 +81,22 @@ class OneBitOverlap:
     """
 
     def __init__(self, optimizer: OneBitOptimizerBase, group: dist.ProcessGroup) -> None:
-        self._optimizer = optimizer
+        # A weak reference: the optimizer holds this object, and a cycle would leave both, and the gloo
+        # process group, to the cyclic collector, possibly at interpreter exit, where freeing a process
+        # group can abort the process.
+        self._optimizer_ref = weakref.ref(optimizer)
         self._group = group
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qaccel-onebit-comm")
         self._round: _Round | None = None
         self._disabled: str | None = None
         self.rounds_started = 0  # backwards whose all-reduce started in the hook (tests and benchmarks read it)
+
+    @property
+    def _optimizer(self) -> OneBitOptimizerBase:
+        optimizer = self._optimizer_ref()
+        if optimizer is None:
+            raise RuntimeError("the 1-bit optimizer of this DDP hook was deleted")
+        return optimizer
 
     @property
     def in_flight(self) -> bool:

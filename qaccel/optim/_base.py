@@ -1,7 +1,8 @@
 """What 0/1 Adam and 1-bit Adam share: units, lazy state, the 1-bit all-reduce, clipping, the step driver.
 
-The subclasses only choose the schedule and implement ``_apply(kind, units, grads, world_size)`` with the
-free functions of :mod:`qaccel.optim._functional`.
+The subclasses only choose the schedule and implement the halves of a compressed step
+(``_compressed_payload``, ``_apply_averaged``) and, for 0/1 Adam, ``_step_local``, with the free functions
+of :mod:`qaccel.optim._functional`.
 """
 
 from __future__ import annotations
@@ -274,7 +275,12 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         zeros_if_missing = world_size > 1 and kind in COMPRESSED_KINDS
         grads = [None if unit in started else unit_grad(unit, zeros_if_missing) for unit in units]
         grads = self._clip(grads, kind, world_size)
-        self._apply(kind, units, grads, world_size, started)
+        if kind is StepKind.FULL:
+            self._step_full(units, grads)
+        elif kind is StepKind.LOCAL:
+            self._step_local(units, grads)
+        else:
+            self._step_compressed(kind, units, grads, world_size, started)
         if self.schedule.advance(kind):
             for unit in units:
                 self._on_freeze(unit, self.state[unit.anchor])
@@ -283,15 +289,8 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
             self.check_replicas(units, world_size, f"at step {self.schedule.step}")
         return loss
 
-    def _apply(
-        self,
-        kind: StepKind,
-        units: list[Unit],
-        grads: list[torch.Tensor | None],
-        world_size: int,
-        started: dict[Unit, torch.Tensor],
-    ) -> None:
-        """The step of ``kind``; ``started`` holds the averaged payloads of units overlapped in backward."""
+    def _step_local(self, units: list[Unit], grads: list[torch.Tensor | None]) -> None:
+        """A LOCAL step (0/1 Adam phase 2): the subclass's local update, nothing sent."""
         raise NotImplementedError
 
     def _step_full(self, units: list[Unit], grads: list[torch.Tensor | None]) -> None:

@@ -58,19 +58,6 @@ class OneBitAdam(OneBitOptimizerBase):
         schedule = OneBitAdamSchedule(freeze_step=cfg.freeze_step)
         super().__init__(params, cfg, schedule, process_group=process_group, wire_meter=wire_meter)
 
-    def _apply(
-        self,
-        kind: StepKind,
-        units: list[Unit],
-        grads: list[torch.Tensor | None],
-        world_size: int,
-        started: dict[Unit, torch.Tensor],
-    ) -> None:
-        if kind is StepKind.FULL:
-            self._step_full(units, grads)
-            return
-        self._step_compressed(kind, units, grads, world_size, started)
-
     def _compressed_payload(self, kind: StepKind, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         """The momentum ``m = b1 m + (1-b1) g`` (updated in the state, which is returned)."""
         exp_avg = self.state[unit.anchor]["exp_avg"]

@@ -107,32 +107,20 @@ class ZeroOneAdam(OneBitOptimizerBase):
             state["synced_weights"] = weights.detach().clone()
             state["lrs"] = 0.0
 
-    def _apply(
-        self,
-        kind: StepKind,
-        units: list[Unit],
-        grads: list[torch.Tensor | None],
-        world_size: int,
-        started: dict[Unit, torch.Tensor],
-    ) -> None:
-        if kind is StepKind.FULL:
-            self._step_full(units, grads)
-            return
-        if kind is StepKind.LOCAL:
-            for unit, grad in zip(units, grads, strict=True):
-                if grad is None:
-                    continue
-                group, state = self._group_of(unit), self.state[unit.anchor]
-                update_momentum(state["exp_avg"], grad, group["betas"][0])
-                state["lrs"] += group["lr"]
-                weights = unit_weights(unit, state)
-                local_step(
-                    weights, state["momentum_accumulator"], state["exp_avg"], state["exp_avg_sq"],
-                    group["lr"], group["eps"], group["weight_decay"],
-                )  # fmt: skip
-                write_back(unit, weights)
-            return
-        self._step_compressed(kind, units, grads, world_size, started)
+    def _step_local(self, units: list[Unit], grads: list[torch.Tensor | None]) -> None:
+        """Phase 2 without a sync: ``m``, ``lrs``, then ``w -= lr d`` and ``u -= lr d``; nothing is sent."""
+        for unit, grad in zip(units, grads, strict=True):
+            if grad is None:
+                continue
+            group, state = self._group_of(unit), self.state[unit.anchor]
+            update_momentum(state["exp_avg"], grad, group["betas"][0])
+            state["lrs"] += group["lr"]
+            weights = unit_weights(unit, state)
+            local_step(
+                weights, state["momentum_accumulator"], state["exp_avg"], state["exp_avg_sq"],
+                group["lr"], group["eps"], group["weight_decay"],
+            )  # fmt: skip
+            write_back(unit, weights)
 
     def _compressed_payload(self, kind: StepKind, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         """Phase 1: the local gradient. Sync: the local step's ``m``, ``lrs`` and ``u``, then ``u (sqrt(v) + eps)``.

@@ -53,9 +53,9 @@ def loop_flags(task: Task, method: Method, *, steps: int, eval_every: int) -> li
     """
     from ..zoo import load_recipe
 
-    warmup_steps = min(load_recipe(task.name).training.warmup_steps, steps // 3)
+    warmup_steps = min(load_recipe(task.recipe_name).training.warmup_steps, steps // 3)
     flags = [
-        "--recipe", task.name, "--method", method.train_method, "--max_steps", str(steps),
+        "--recipe", task.recipe_name, "--method", method.train_method, "--max_steps", str(steps),
         "--per_device_batch_size", str(task.per_device_batch_size), "--warmup_steps", str(warmup_steps),
         "--eval_steps", str(eval_every), "--eval_on_start", "--save_steps", "0", "--allow_nonfinite",
     ]  # fmt: skip
@@ -104,11 +104,12 @@ def mesh_env(replicas: int, world_size: int) -> dict[str, str]:
     }
 
 
-def hierarchical_env(replicas: int, world_size: int) -> dict[str, str]:
-    """The variables of a run on ``replicas`` replicas: :func:`mesh_env` and, for a hierarchical mesh,
-    :data:`FSDP_LAUNCH_ENV` (an HSDP launch is an FSDP launch); empty for a 1-D run."""
+def hierarchical_env(replicas: int, world_size: int, *, fsdp_launch: bool = False) -> dict[str, str]:
+    """The variables of a run on ``replicas`` replicas: :func:`mesh_env` and, for a hierarchical mesh
+    or with ``fsdp_launch`` (a task launched as under an FSDP2 config), :data:`FSDP_LAUNCH_ENV` (an
+    HSDP launch is an FSDP launch); empty for a 1-D run of a task launched as its recipe says."""
     mesh = mesh_env(replicas, world_size)
-    return {**mesh, **FSDP_LAUNCH_ENV} if mesh else {}
+    return {**mesh, **FSDP_LAUNCH_ENV} if mesh or fsdp_launch else {}
 
 
 def train_command(flags: list[str], *, world_size: int, output_dir: str | os.PathLike) -> list[str]:
@@ -125,10 +126,13 @@ def _launch_env(mesh: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def train_run(method: Method, seed: int, flags: list[str], *, world_size: int, output_dir: Path, timeout_s: float, replicas: int = 1) -> dict:
+def train_run(
+    method: Method, seed: int, flags: list[str], *, world_size: int, output_dir: Path, timeout_s: float, replicas: int = 1, fsdp_launch: bool = False
+) -> dict:
     """Launch one training job and return its run record (see :func:`read_run`) plus its wall time.
 
-    ``replicas`` > 1 launches it on a hierarchical mesh (:func:`mesh_env`).
+    ``replicas`` > 1 launches it on a hierarchical mesh (:func:`mesh_env`); ``fsdp_launch`` as under
+    an FSDP2 launch config (:data:`FSDP_LAUNCH_ENV`).
 
     Raises:
         RuntimeError: the job failed or ran past ``timeout_s`` (the message has the command and
@@ -140,7 +144,7 @@ def train_run(method: Method, seed: int, flags: list[str], *, world_size: int, o
     started = time.perf_counter()
     with open(log, "w") as out:
         # Its own session: on a timeout or Ctrl-C the launcher and its ranks go down together.
-        env = _launch_env(hierarchical_env(replicas, world_size))
+        env = _launch_env(hierarchical_env(replicas, world_size, fsdp_launch=fsdp_launch))
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout_s)

@@ -8,7 +8,9 @@ methods of a task, so every method sees the same data orders; the seed also sets
 noise. Reported per method: final eval loss mean ± std over seeds, its difference to the baseline in
 % and in units of the baseline's seed std, the paired per-seed difference, and a verdict against the
 goals (W8G8 +1%, W4G4 +2%, 0/1 Adam +2% of the baseline, and within its seed spread). An optional long
-single-seed run of the tiny GPT (``--long_steps``) shows whether gaps close or grow.
+single-seed run of the tiny GPT (``--long_steps``) shows whether gaps close or grow. The task
+minilm-qsdp (QSDP on the pretrained MiniLM against stock FSDP2, launched as under an FSDP2 launch
+config) runs only when named in ``--tasks``.
 
 ``--replicas R`` (R > 1) runs the tasks on a hierarchical mesh instead: R replicas of
 ``--world_size / R`` ranks each, handed to every run as ``accelerate launch`` hands an FSDP2 launch
@@ -38,7 +40,16 @@ import torch
 
 from . import _convergence_report, _convergence_stats
 from ._convergence_run import hierarchical_env, loop_flags, seed_flags, train_command, train_run
-from ._convergence_tasks import TASKS, Method, Task, hierarchical_tasks, select_methods, task_by_name, task_methods
+from ._convergence_tasks import (
+    TASKS,
+    Method,
+    Task,
+    default_tasks,
+    hierarchical_tasks,
+    select_methods,
+    task_by_name,
+    task_methods,
+)
 
 __all__ = ["add_arguments", "run", "LONG_METHODS", "ConvergenceInputError"]
 
@@ -54,7 +65,7 @@ LONG_FOLDER = "gpt2-tiny-long"  # the long run's folder under --runs_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK", help=f"tasks to run (default: all of {', '.join(TASKS)})")
+    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK", help=f"tasks to run (default: {', '.join(default_tasks())}; also: {', '.join(t for t in TASKS if t not in default_tasks())})")
     parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD", help="methods to run (default: all of each task; the baseline always runs)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per method, 0..N-1 (default 5; --quick: 2)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run for every task (default: per task)")
@@ -106,7 +117,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], int]:
     if args.long_only and args.tasks:
         raise ValueError(f"--long_only: runs gpt2-tiny's long run only; drop --tasks {' '.join(args.tasks)}")
     _check_mesh(args.replicas, args.world_size, args.long_steps)
-    tasks = [] if args.long_only else args.tasks or (list(TASKS) if args.replicas == 1 else hierarchical_tasks())
+    tasks = [] if args.long_only else args.tasks or (default_tasks() if args.replicas == 1 else hierarchical_tasks())
     for name in tasks:
         task_by_name(name)  # names the bad value
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if args.quick else 5)
@@ -187,7 +198,8 @@ def _fill_order(report: dict) -> None:
         report.setdefault("commands", [report.pop("command")])
     sections = list(report["tasks"].values()) + ([report["long_run"]] if report.get("long_run") else [])
     for section in sections:
-        section.setdefault("method_order", [m.key for m in TASKS["gpt2-tiny"].methods + TASKS["bert-tiny"].methods if m.key in section["methods"]])
+        known = dict.fromkeys(m.key for task in TASKS.values() for m in task.methods)  # every key once, in definition order
+        section.setdefault("method_order", [key for key in known if key in section["methods"]])
 
 
 def _measure(args: argparse.Namespace, checked: tuple[list[str], int]) -> dict:
@@ -275,7 +287,9 @@ def _train_seeds(
     runs = []
     for seed in seeds:
         output_dir = folder / f"seed-{seed}"
-        run = train_run(method, seed, flags, world_size=world_size, output_dir=output_dir, timeout_s=600 + 20 * steps, replicas=replicas)
+        run = train_run(
+            method, seed, flags, world_size=world_size, output_dir=output_dir, timeout_s=600 + 20 * steps, replicas=replicas, fsdp_launch=task.fsdp_launch
+        )
         runs.append(run)
         if not keep:  # checkpoints of the pretrained MiniLM are hundreds of MB; the record is all the study needs
             shutil.rmtree(output_dir)
@@ -285,7 +299,7 @@ def _train_seeds(
     # The loop's command line for this method, as a user would type it (torchrun is the launcher the study ran;
     # a hierarchical mesh travels in the environment, as accelerate launch passes it).
     launched = train_command([*flags, *seed_flags(method, "SEED")], world_size=world_size, output_dir="RUN_DIR")
-    mesh = [f"{name}={value}" for name, value in hierarchical_env(replicas, world_size).items()]
+    mesh = [f"{name}={value}" for name, value in hierarchical_env(replicas, world_size, fsdp_launch=task.fsdp_launch).items()]
     command = shlex.join([*mesh, "torchrun", *launched[3:]])  # launched[:3]: this interpreter's `-m torch.distributed.run`
     return {"task": task.name, "method": method.key, "runs": runs, "train_command": command}
 

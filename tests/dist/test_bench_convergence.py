@@ -167,22 +167,35 @@ def test_merge_still_renders_the_published_report(tmp_path):
             assert f"| {method['label']} | {method['summary']['final_eval_loss_mean']:.4f} ± " in md
 
 
-@pytest.mark.parametrize(("task", "warmup"), [("gpt2-tiny", 16), ("bert-tiny", 40), ("minilm-finetune", 15)])
-def test_every_method_resolves_in_the_training_loop_as_meant(task, warmup, tmp_path):
+@pytest.mark.parametrize(
+    ("task", "recipe", "warmup", "parallelism"),
+    [
+        ("gpt2-tiny", "gpt2-tiny", 16, "fsdp2"),
+        ("bert-tiny", "bert-tiny", 40, "ddp"),
+        ("minilm-finetune", "minilm-finetune", 15, "ddp"),
+        # the same recipe, launched as under an FSDP2 config: the baseline is stock FSDP2, QSDP's like for like
+        ("minilm-qsdp", "minilm-finetune", 15, "fsdp2"),
+    ],
+)
+def test_every_method_resolves_in_the_training_loop_as_meant(task, recipe, warmup, parallelism, tmp_path, monkeypatch):
     """No launch: the loop's own parser and input check turn each (task, method)'s flags into the intended run."""
     from qaccel.train import check_inputs, parse_args
 
     spec = TASKS[task]
+    launch = hierarchical_env(1, 2, fsdp_launch=spec.fsdp_launch)
+    assert launch == ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"} if task == "minilm-qsdp" else {})
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
     for method in spec.methods:
         flags = loop_flags(spec, method, steps=spec.steps, eval_every=spec.eval_every)
         args = parse_args([*flags, *seed_flags(method, 3), "--output_dir", str(tmp_path)])
         assert args.eval_on_start and args.allow_nonfinite
         inputs = check_inputs(args, world_size=2)
         cfg, plan = inputs.cfg, inputs.plan
-        assert (inputs.recipe.name, plan.method, cfg["seed"]) == (task, method.train_method, 3)
+        assert (inputs.recipe.name, plan.method, cfg["seed"]) == (recipe, method.train_method, 3)
         assert (cfg["max_steps"], cfg["per_device_batch_size"], cfg["eval_steps"], cfg["save_steps"]) == (spec.steps, 4, spec.eval_every, 0)
         assert cfg["warmup_steps"] == warmup  # the recipe's warm-up, capped at a third of the run
-        assert plan.parallelism == ("fsdp2" if task == "gpt2-tiny" else "ddp")
+        assert plan.parallelism == parallelism, method.key
         if method.train_method == "qsdp":
             assert plan.qsdp.seed == 3, method.key  # QSDP's noise follows the run's seed
             for name, value in method.qsdp.items():
@@ -195,7 +208,7 @@ def test_every_method_resolves_in_the_training_loop_as_meant(task, warmup, tmp_p
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--tasks", "gpt3"], "unknown task 'gpt3'; choose from gpt2-tiny, bert-tiny, minilm-finetune"),
+        (["--tasks", "gpt3"], "unknown task 'gpt3'; choose from gpt2-tiny, bert-tiny, minilm-finetune, minilm-qsdp"),
         (["--methods", "w1g1"], r"--methods: unknown \['w1g1'\]"),
         (["--long_steps", "10", "--long_methods", "w1g1"], r"--methods: unknown \['w1g1'\]"),
         (["--seeds", "0"], "--seeds=0: must be >= 1"),
@@ -313,7 +326,7 @@ def test_zero_one_adam_on_hsdp_shards_reaches_local_steps_within_the_run(task, t
 
 def test_hierarchical_method_selection_keeps_the_baseline_and_the_json_keys_of_every_task():
     """``--methods`` picks rows of each task's hierarchical list (the baseline always runs); tasks without one are named."""
-    from qaccel.bench._convergence_tasks import hierarchical_tasks, select_methods
+    from qaccel.bench._convergence_tasks import default_tasks, hierarchical_tasks, select_methods
 
     assert hierarchical_tasks() == ["gpt2-tiny"]  # bert-tiny's masked-LM head cannot be sharded by Accelerate's FSDP2 yet
     picks = ["hsdp-zero_one_adam", "hsdp-onebit_adam"]
@@ -323,8 +336,12 @@ def test_hierarchical_method_selection_keeps_the_baseline_and_the_json_keys_of_e
     assert [m.key for m in select_methods(TASKS["gpt2-tiny"], None)] == ["fsdp2", "w8g8", "w8g8-b128-bf16", "w4g4", "w4g4-b1024-fp32", "w4g4-b64-bf16"]
     # the low-bit study runs only when asked for, as a group or by name
     lowbit = [m.key for m in select_methods(TASKS["gpt2-tiny"], ["lowbit"])]
-    assert lowbit[:2] == ["fsdp2", "w4g4"] and len(lowbit) == 2 + 29 and "w3g2-rot-ef" in lowbit and "w2g2-nr-ef" in lowbit
+    assert lowbit[:2] == ["fsdp2", "w4g4"] and len(lowbit) == 2 + 34 and "w3g2-rot-ef" in lowbit and "w2g2-nr-ef" in lowbit
     assert [m.key for m in select_methods(TASKS["gpt2-tiny"], ["w3g2-ef"])] == ["fsdp2", "w3g2-ef"]
+    # QSDP on the pretrained MiniLM: the same rows against stock FSDP2, and only when named in --tasks
+    assert [m.key for m in select_methods(TASKS["minilm-qsdp"], None)] == ["fsdp2", "w8g8", "w4g4"]
+    assert [m.key for m in select_methods(TASKS["minilm-qsdp"], ["lowbit"])] == lowbit
+    assert default_tasks() == ["gpt2-tiny", "bert-tiny", "minilm-finetune"]
     # the flags a row adds, in the loop's syntax (a pair is one comma-separated value)
     gpt2_zoadam = select_methods(TASKS["gpt2-tiny"], ["hsdp-zero_one_adam"], replicas=2)[1]
     assert loop_flags(TASKS["gpt2-tiny"], gpt2_zoadam, steps=50, eval_every=10)[-10:] == [
@@ -341,6 +358,7 @@ def test_hierarchical_method_selection_keeps_the_baseline_and_the_json_keys_of_e
         (["--replicas", "3", "--world_size", "4"], "--replicas 3: --world_size 4 is not divisible by it"),
         (["--replicas", "2"], "--replicas 2: --world_size 2 leaves 1 rank per replica"),
         (["--replicas", "2", "--world_size", "4", "--tasks", "minilm-finetune"], "--replicas 2: task minilm-finetune runs on DDP .*no hierarchical variant"),
+        (["--replicas", "2", "--world_size", "4", "--tasks", "minilm-qsdp"], "--replicas 2: task minilm-qsdp runs on FSDP2 on one level .*no hierarchical variant"),
         (["--replicas", "2", "--world_size", "4", "--methods", "w8g8"], "--methods w8g8: run.* on a 1-D mesh"),
         (["--replicas", "2", "--world_size", "4", "--tasks", "gpt2-tiny", "--methods", "zero_one_adam"], "--methods zero_one_adam: run.* on a 1-D mesh.* hsdp-zero_one_adam"),
         (["--methods", "hqsdp-w8g8-r4"], r"--methods hqsdp-w8g8-r4: run.* on a hierarchical mesh \(--replicas R > 1\)"),

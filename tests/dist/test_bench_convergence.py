@@ -336,7 +336,7 @@ def test_hierarchical_method_selection_keeps_the_baseline_and_the_json_keys_of_e
     assert [m.key for m in select_methods(TASKS["gpt2-tiny"], None)] == ["fsdp2", "w8g8", "w8g8-b128-bf16", "w4g4", "w4g4-b1024-fp32", "w4g4-b64-bf16"]
     # the low-bit study runs only when asked for, as a group or by name
     lowbit = [m.key for m in select_methods(TASKS["gpt2-tiny"], ["lowbit"])]
-    assert lowbit[:2] == ["fsdp2", "w4g4"] and len(lowbit) == 2 + 34 and "w3g2-rot-ef" in lowbit and "w2g2-nr-ef" in lowbit
+    assert lowbit[:2] == ["fsdp2", "w4g4"] and len(lowbit) == 2 + 44 and "w3g2-rot-ef" in lowbit and "w2g2-nr-ef" in lowbit
     assert [m.key for m in select_methods(TASKS["gpt2-tiny"], ["w3g2-ef"])] == ["fsdp2", "w3g2-ef"]
     # QSDP on the pretrained MiniLM: the same rows against stock FSDP2, and only when named in --tasks
     assert [m.key for m in select_methods(TASKS["minilm-qsdp"], None)] == ["fsdp2", "w8g8", "w4g4"]

@@ -198,9 +198,11 @@ def test_presets_are_the_settings_they_name_and_overrides_win():
     assert (low.weight_bits, low.grad_bits, low.rounding) == (3, 2, "nearest")
     assert low.grad_codec().bucket_size == 128 and low.grad_codec().meta_dtype == torch.bfloat16  # per-bit defaults
     assert QSDPConfig.preset("w2g2-nearest", seed=7, grad_bits=3).grad_bits == 3
+    tuned = QSDPConfig.preset("w4g4-nearest-grad-hadamard")  # the fine-tuning preset rotates the gradients only
+    assert (tuned.grad_codec().rotation, tuned.weight_codec().rotation, tuned.weight_codec().rounding) == ("hadamard", "none", "nearest")
     for name, entry in PRESETS.items():
         config = QSDPConfig.preset(name)
         assert all(getattr(config, key) == value for key, value in entry["settings"].items()), name
         assert entry["measured"]  # every preset says what was measured for it
-    with pytest.raises(ValueError, match=r"unknown preset; choose from w8g8, w4g4, w3g2-nearest, w2g2-nearest"):
+    with pytest.raises(ValueError, match=r"unknown preset; choose from w8g8, w4g4, w4g4-nearest-grad-hadamard, w3g2-nearest, w2g2-nearest"):
         QSDPConfig.preset("w1g1")

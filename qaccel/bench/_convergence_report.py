@@ -87,7 +87,7 @@ def markdown(report: dict) -> str:
         # reports made before the study ran qaccel.train evaluated a fixed prefix of the eval split
         held_out = f"{task['eval_examples']} held-out examples" if "eval_examples" in task else "the recipe's eval split"
         lines += [
-            f"#### {name}: {task['steps']} steps, {task['seeds']} seeds, {task['world_size']} ranks{_mesh(task)}, "
+            f"#### {name}: {task['steps']} steps, {task['seeds']} seed{'s' if task['seeds'] != 1 else ''}, {task['world_size']} ranks{_mesh(task)}, "
             f"{task['per_device_batch_size']} examples per rank per step, eval on {held_out}",
             "",
         ]

@@ -167,6 +167,24 @@ def test_merge_still_renders_the_published_report(tmp_path):
             assert f"| {method['label']} | {method['summary']['final_eval_loss_mean']:.4f} ± " in md
 
 
+def test_merge_renders_the_published_minilm_low_bit_study(tmp_path):
+    """docs/bench/convergence_lowbit_minilm.json (task minilm-qsdp): every row renders, in the study's order."""
+    published = REPO / "docs" / "bench" / "convergence_lowbit_minilm.json"
+    assert main(["bench", "convergence", "--merge", str(published), "--markdown", str(tmp_path / "m.md"), "--plot", str(tmp_path / "m.png")]) == 0
+    md = (tmp_path / "m.md").read_text()
+    assert md.startswith("#### minilm-qsdp: 45 steps, 5 seeds, 2 ranks")
+    task = json.loads(published.read_text())["tasks"]["minilm-qsdp"]
+    rows = [line for line in md.splitlines() if line.startswith("| QSDP") or line.startswith("| FSDP2")]
+    assert [row.split(" | ")[0][2:] for row in rows] == [task["methods"][key]["label"] for key in task["method_order"]]
+    assert task["method_order"][0] == "fsdp2" and task["baseline"] == "fsdp2"
+    # each row's mean and difference, recomputed from the runs' own final evals
+    finals = {key: statistics.fmean(run["eval"][-1]["eval_loss"] for run in task["methods"][key]["runs"]) for key in task["method_order"]}
+    for row, key in zip(rows, task["method_order"], strict=True):
+        cells = row.split(" | ")
+        assert cells[1].startswith(f"{finals[key]:.4f} ± ")
+        assert cells[2] == f"{100 * (finals[key] - finals['fsdp2']) / finals['fsdp2']:+.2f}%"
+
+
 @pytest.mark.parametrize(
     ("task", "recipe", "warmup", "parallelism"),
     [

@@ -204,5 +204,5 @@ def test_presets_are_the_settings_they_name_and_overrides_win():
         config = QSDPConfig.preset(name)
         assert all(getattr(config, key) == value for key, value in entry["settings"].items()), name
         assert entry["measured"]  # every preset says what was measured for it
-    with pytest.raises(ValueError, match=r"unknown preset; choose from w8g8, w4g4, w4g4-nearest-grad-hadamard, w3g2-nearest, w2g2-nearest"):
+    with pytest.raises(ValueError, match=r"unknown preset; choose from w8g8, w4g4, w4g4-nearest-grad-hadamard, w3g3-nearest, w3g2-nearest, w2g2-nearest"):
         QSDPConfig.preset("w1g1")

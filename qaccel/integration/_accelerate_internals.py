@@ -1,6 +1,9 @@
 """The one module that reads Accelerate's private surface (style guide §9).
 
-Checked against accelerate 1.15.0 (:data:`ACCELERATE`). What is read, and why no public API does it:
+Checked against accelerate 1.15.0 and 1.16.0 (:data:`ACCELERATE`; 1.16 changed none of what is read here:
+its ``fsdp2_prepare_model`` gained ``ignored_params`` and skips the inner module of a checkpoint wrapper, and
+the carve-out of embeddings and final norm, ``_find_final_norm``, ``_optimizers``, ``fsdp_dim_names`` and
+``_validate_accelerator`` are as in 1.15). What is read, and why no public API does it:
 
 - ``Accelerator._optimizers``: every optimizer ``prepare`` returned, across all ``prepare`` calls
   (``accelerator.py``). A model and its optimizer may be prepared in different calls, and 0/1 Adam's
@@ -47,7 +50,7 @@ __all__ = [
     "REPLICATE_DIM",
 ]
 
-ACCELERATE = PrivateSurface("accelerate", ("1.15.0",), __name__)
+ACCELERATE = PrivateSurface("accelerate", ("1.15.0", "1.16.0"), __name__)
 
 
 def prepared_optimizers(accelerator: Any) -> list[Any]:
@@ -81,7 +84,7 @@ def optimizers_left_out(accelerator: Any, left_out: list[Any]) -> Iterator[None]
 def fsdp2_carved_out_modules(model: nn.Module) -> list[nn.Module]:
     """The modules Accelerate's FSDP2 preparation shards as units of their own after the auto-wrap.
 
-    Mirrors accelerate 1.15 ``utils/fsdp_utils.py`` ``fsdp2_prepare_model``: after the auto-wrap it
+    Mirrors accelerate 1.15/1.16 ``utils/fsdp_utils.py`` ``fsdp2_prepare_model``: after the auto-wrap it
     calls ``fully_shard`` on the input embedding (unless tied to the output embedding), then on one
     group of [final norm, (input embedding,) output embedding], skipping modules that are units
     already. The final norm is the last direct child of the base model whose class name contains

@@ -286,7 +286,7 @@ def test_prepared_optimizers_lists_every_prepare_call_and_names_the_versions_whe
         with pytest.raises(RuntimeError) as error:
             _accelerate_internals.prepared_optimizers(accelerator)
         assert_version_message(
-            error.value, "Accelerator._optimizers", "accelerate", "1.15.0", "qaccel.integration._accelerate_internals"
+            error.value, "Accelerator._optimizers", "accelerate", "1.15.0, 1.16.0", "qaccel.integration._accelerate_internals"
         )
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -46,7 +46,7 @@ venv: $(STAMP)
 # The README's first command: gpt2-tiny on 2 CPU processes, QSDP W8G8 next to stock FSDP2, over a
 # loopback shaped to 100 Mbit/s in a network namespace where root allows it (else it says why not).
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) scripts/demo.py --output_dir runs/demo
+	OMP_NUM_THREADS=1 $(VENV)/bin/qaccel demo --output_dir runs/demo
 
 # The suite without its slow tier (tests marked `slow`: multi-minute end-to-end runs, the wheel
 # install, nvcc builds); `make test-all` runs everything, as CI does (.ci/run).

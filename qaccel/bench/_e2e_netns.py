@@ -69,7 +69,7 @@ def check_prerequisites(euid: int | None = None, what: str = "qaccel bench e2e")
 
     Args:
         euid: the effective user id to check (default: this process's).
-        what: the command that needs the namespace, named in the message (the bench, or ``make demo``).
+        what: the command that needs the namespace, named in the message (the bench, or ``qaccel demo``).
     """
     euid = os.geteuid() if euid is None else euid
     if euid != 0:

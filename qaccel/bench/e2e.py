@@ -56,7 +56,7 @@ from ._e2e_netns import (
     tbf_parameters,
 )
 
-__all__ = ["add_arguments", "run", "E2EError", "plan_configs"]
+__all__ = ["add_arguments", "run", "E2EError", "plan_configs", "rate_arg"]
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,8 @@ class E2EError(RuntimeError):
     """The benchmark cannot run here (not root, no iproute2, a missing API) or a run failed."""
 
 
-def _rate_arg(text: str) -> str:
+def rate_arg(text: str) -> str:
+    """An argparse ``type`` for a tc rate (``300mbit``, ``1gbit``, ``none``); a bad one is a usage error naming it."""
     try:
         parse_rate(text)
     except ValueError as exc:
@@ -96,7 +97,7 @@ def _positive(minimum: int, maximum: int | None = None):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bandwidth", action="append", type=_rate_arg, default=None, metavar="RATE",
+    parser.add_argument("--bandwidth", action="append", type=rate_arg, default=None, metavar="RATE",
                         help="link rate in tc syntax (300mbit, 1gbit, ...) or 'none' for unshaped; repeat for several "
                              "(default: 300mbit)")  # fmt: skip
     parser.add_argument("--methods", type=_methods_arg, default=None,

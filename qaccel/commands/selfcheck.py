@@ -6,11 +6,16 @@ the CUDA kernels where a GPU is visible) runs the four codec operations on the s
 quantize (codes and bucket metadata, stochastic and nearest rounding, fp32 and bf16 metadata), dequantize
 (overwrite and accumulate), sign pack and sign unpack. Any differing bit makes the command exit 1. A native
 backend that does not load is listed with the reason (nothing to compare, exit 0).
+
+``--build_only`` builds the native kernels this machine can use into ``QACCEL_CACHE_DIR`` and checks
+nothing: a step for an image build or a node's set-up, so that the first training run does not pay
+for the compile. A build that fails is exit 1 there, since the point is to have it.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from types import ModuleType
 
 import torch
@@ -29,6 +34,12 @@ _QUANT_CASES = [(bits, bucket, False, torch.float32) for bits in (2, 4, 8) for b
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("selfcheck", help="check every native kernel backend against the pure-torch reference")
     parser.add_argument("--numel", type=int, default=1 << 20, help="elements of the test tensor")
+    parser.add_argument(
+        "--build_only",
+        action="store_true",
+        help="build the native kernels this machine can use (C++; CUDA where a GPU is visible) into QACCEL_CACHE_DIR, "
+        "check nothing; exit 1 if a build fails (an image build step)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -75,7 +86,32 @@ def _native_for(device: torch.device) -> tuple[ModuleType | None, str | None]:
     return _backend.kernels_for(device), None  # explicit: a failed build raises here
 
 
+def _build_only() -> int:
+    """Build (or find already built) each native backend this machine can use, honouring ``QACCEL_KERNELS``."""
+    requested = _backend.requested_backend()
+    backends: dict[str, dict] = {}
+    for name in _native.NATIVE_BACKENDS:
+        if requested not in ("auto", name):
+            backends[name] = {"role": "not built", "reason": f"{_backend.ENV_NAME}={requested}"}
+        elif name == "cuda" and not torch.cuda.is_available():
+            # the CUDA build targets the visible GPU's architecture (part of its build name)
+            backends[name] = {"role": "not built", "reason": "no CUDA device is available"}
+        else:
+            start = time.perf_counter()
+            kernels, reason = _native.try_load(name)
+            seconds = round(time.perf_counter() - start, 1)
+            if kernels is None:
+                backends[name] = {"role": "failed", "reason": reason, "seconds": seconds}
+            else:
+                backends[name] = {"role": "built", "build_dir": str(_native.cache_root() / _native.build_name(name)), "seconds": seconds}
+    ok = all(entry["role"] != "failed" for entry in backends.values())
+    emit({"selfcheck": {"ok": ok, "build_only": True, "cache_dir": str(_native.cache_root()), "backends": backends}})
+    return 0 if ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.build_only:
+        return _build_only()
     generator = torch.Generator().manual_seed(0)
     x_cpu = torch.randn(args.numel, generator=generator)
     x_cpu[:: max(1, args.numel // 7)] = 0.0  # exact zeros: the sign codec maps them to +1

@@ -1,4 +1,4 @@
-"""`make demo`'s link: a shaped network namespace where the machine allows it, else one line saying why not.
+"""`qaccel demo`'s link (`make demo`): a shaped network namespace where the machine allows it, else one line saying why not.
 
 The namespace is checked with `ip` and `tc` themselves, not with the demo's own bookkeeping.
 """
@@ -6,56 +6,38 @@ The namespace is checked with `ip` and `tc` themselves, not with the demo's own 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+
+from qaccel.bench import demo
 
 # the bench's probes: whether this machine can make a namespace, and which exist (`ip netns list`)
 from tests.e2e.test_bench_e2e import _namespaces, _netns_unavailable
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _demo():
-    spec = importlib.util.spec_from_file_location("qaccel_demo_script", REPO / "scripts" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_without_root_the_demo_says_why_in_one_line_and_creates_nothing(monkeypatch):
-    demo = _demo()
     before = _namespaces() if shutil.which("ip") else []
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with contextlib.ExitStack() as stack:
         ns, link = demo.open_link(stack, "100mbit")
     assert ns is None and link["rate"] == "none"
     assert "\n" not in link["note"]
-    assert "only the bytes show the gain" in link["note"] and "make demo needs root (effective uid 1000)" in link["note"]
+    assert "only the bytes show the gain" in link["note"] and "qaccel demo needs root (effective uid 1000)" in link["note"]
     if shutil.which("ip"):
         assert _namespaces() == before
 
 
 def test_bandwidth_none_runs_unshaped_and_says_so():
-    demo = _demo()
     with contextlib.ExitStack() as stack:
         ns, link = demo.open_link(stack, "none")
     assert ns is None and "unshaped" in link["note"]
 
 
-def test_a_bad_rate_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as exc:
-        _demo().parse_args(["--bandwidth", "fast"])
-    assert exc.value.code == 2 and "expected a tc rate" in capsys.readouterr().err
-
-
 @pytest.mark.skipif(_netns_unavailable() is not None, reason=str(_netns_unavailable()))
 def test_as_root_the_jobs_get_a_shaped_namespace_that_is_removed_afterwards():
-    demo = _demo()
     with contextlib.ExitStack() as stack:
         ns, link = demo.open_link(stack, "100mbit")
         assert ns is not None and link["rate"] == "100mbit"

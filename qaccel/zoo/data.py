@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from .recipes import Recipe
 
-__all__ = ["DataSplits", "load_data", "pack_blocks"]
+__all__ = ["DataSplits", "load_data", "pack_blocks", "tokenize_documents"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ def _split(table: datasets.Dataset, eval_fraction: float, base: str) -> tuple[da
     return train_part, eval_part
 
 
-def _tokenize_documents(texts: list[str], tokenizer) -> list[list[int]]:
+def tokenize_documents(texts: list[str], tokenizer) -> list[list[int]]:
+    """Token ids of each text, each ending in the tokenizer's end-of-text token (when it has one), as packing needs."""
     ids = tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -111,7 +112,7 @@ def _lm_blocks(documents: datasets.Dataset, tokenizer, seq_len: int, masked: boo
     carry: list[int] = []
     for start in range(0, len(order), chunk_docs):
         texts = documents[order[start : start + chunk_docs].tolist()]["text"]
-        for ids in _tokenize_documents(texts, tokenizer):
+        for ids in tokenize_documents(texts, tokenizer):
             carry.extend(ids)
         blocks = pack_blocks([carry], seq_len)
         carry = carry[blocks.size :]

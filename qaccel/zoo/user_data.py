@@ -13,7 +13,8 @@ Where the data comes from (``DataSource``), first match wins:
 
 The validation set is the ``validation_split`` (or ``validation_file``), or, with
 ``validation_split_percentage``, that share of the train split drawn with the run's seed
-(``train_test_split``, so the same seed gives the same rows on every process and every run).
+(``train_test_split``, so the same seed gives the same rows on every process and every run;
+with ``streaming``, the stream's first P% of documents: ``stream_holdout``).
 
 Tasks, as Hugging Face's ``run_clm.py`` / ``run_mlm.py`` / ``run_glue.py`` prepare them:
 
@@ -51,11 +52,11 @@ if TYPE_CHECKING:
     from .data import DataSplits
     from .recipes import Recipe
 
-__all__ = ["FILE_BUILDERS", "DEFAULT_TRAINING", "DEFAULT_LAUNCH_CONFIGS", "DataSource", "check_data_source", "load_raw_splits", "load_user_data", "default_recipe"]
+__all__ = ["FILE_BUILDERS", "GROUP_BATCH", "DEFAULT_TRAINING", "DEFAULT_LAUNCH_CONFIGS", "DataSource", "check_data_source", "load_raw_splits", "load_user_data", "default_recipe"]
 
 # file extension -> the datasets builder that reads it
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
-_GROUP_BATCH = 1000  # texts per group_texts batch, as run_clm
+GROUP_BATCH = 1000  # texts per group_texts batch, as run_clm
 # The run without a recipe (--model_name_or_path, --task and a dataset): flags override these.
 DEFAULT_TRAINING = {
     "max_steps": 100, "per_device_batch_size": 8, "gradient_accumulation_steps": 1, "learning_rate": 5e-5,
@@ -85,8 +86,7 @@ class DataSource:
         max_eval_samples: evaluate on at most this many examples (blocks for LMs), the first ones
             of the validation set (default: all; streaming: 1000, the first blocks of the stream).
         streaming: read the train split as a stream (``load_dataset(..., streaming=True)``):
-            causal-lm and masked-lm only; see ``qaccel.zoo.user_stream``. Refuses
-            ``validation_split_percentage`` (a stream has no rows to hold out).
+            causal-lm and masked-lm only; see ``qaccel.zoo.user_stream``.
         streaming_shuffle_buffer: documents in the stream's shuffle buffer (with ``streaming``
             only; default ``DEFAULT_SHUFFLE_BUFFER``, 10000; 1 keeps the file order).
     """
@@ -125,11 +125,6 @@ class DataSource:
             raise ValueError(f"--streaming_shuffle_buffer={self.streaming_shuffle_buffer}: applies with --streaming only")
         if self.streaming_shuffle_buffer is not None and self.streaming_shuffle_buffer < 1:
             raise ValueError(f"--streaming_shuffle_buffer={self.streaming_shuffle_buffer}: must be >= 1 (1: no shuffling)")
-        if self.streaming and pct is not None:
-            raise ValueError(
-                f"--validation_split_percentage={pct} with --streaming: a stream has no rows to hold out; "
-                "give a validation split (--validation_split) or --validation_file, evaluated on its first --max_eval_samples blocks"
-            )
 
     @property
     def kind(self) -> str:
@@ -216,10 +211,11 @@ def _load_dict(source: DataSource) -> datasets.DatasetDict | datasets.IterableDa
     return datasets.load_dataset(source.dataset_name, source.dataset_config_name, revision=source.dataset_revision, streaming=streaming)
 
 
-def load_raw_splits(source: DataSource, *, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+def load_raw_splits(source: DataSource, *, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """The raw train and validation tables of ``source`` (columns as the data has them).
 
-    With ``source.streaming`` they are ``datasets.IterableDataset``s.
+    With ``source.streaming`` they are ``datasets.IterableDataset``s, and with
+    ``validation_split_percentage`` the validation table is ``None``: ``user_stream`` holds out the head.
 
     Raises:
         ValueError: a missing file or split (naming the splits there are).
@@ -234,14 +230,16 @@ def load_raw_splits(source: DataSource, *, seed: int) -> tuple[datasets.Dataset,
         raise ValueError(f"--train_split={train_split!r}: no such split in {where!r}; its splits: {', '.join(tables)}")
     train = tables[train_split]
     if source.validation_split_percentage is not None:
+        if source.streaming:  # run_clm's `train[:P%]`: needs the stream's size or the tokenizer (stream_holdout)
+            return train, None
         parts = train.train_test_split(test_size=source.validation_split_percentage / 100, seed=seed, shuffle=True)
         return parts["train"], parts["test"]
     validation_split = "validation" if source.kind == "files" else source.validation_split
     if validation_split not in tables:
-        raise ValueError(
-            f"--validation_split={validation_split!r}: no such split in {where!r}; its splits: {', '.join(tables)}. "
-            "Pick one with --validation_split, pass --validation_file, or carve one out with --validation_split_percentage"
-        )
+        splits = f"--validation_split={validation_split!r}: no such split in {where!r}; its splits: {', '.join(tables)}. Pick one with --validation_split,"
+        what = f"--train_file={where!r}: has no validation set;" if source.kind == "files" else splits
+        carve = "hold out the stream's first P% of documents" if source.streaming else "carve a random P% out of the train split"
+        raise ValueError(f"{what} pass --validation_file, or {carve} with --validation_split_percentage P")
     return train, tables[validation_split]
 
 
@@ -347,12 +345,12 @@ def _classification(table: datasets.Dataset, roles: dict[str, str], label_ids: d
 
 def _group_texts(text: str, tokenizer, block: int, masked: bool) -> Any:
     """run_clm's ``group_texts``: a batched ``map`` function packing a batch of texts into blocks."""
-    from .data import _tokenize_documents, pack_blocks
+    from .data import pack_blocks, tokenize_documents
 
     special = sorted(set(tokenizer.all_special_ids))
 
     def group_texts(batch: dict[str, list]) -> dict[str, Any]:
-        blocks = pack_blocks(_tokenize_documents(batch[text], tokenizer), block)  # (blocks, block)
+        blocks = pack_blocks(tokenize_documents(batch[text], tokenizer), block)  # (blocks, block)
         rows: dict[str, Any] = {"input_ids": blocks.tolist(), "attention_mask": [[1] * block for _ in range(len(blocks))]}
         if masked:  # the collator must never mask [CLS]/[SEP]/eos
             rows["special_tokens_mask"] = [[int(t in special) for t in row] for row in rows["input_ids"]]
@@ -367,7 +365,7 @@ def _language_model(table: datasets.Dataset, text: str, tokenizer, block: int, m
     table = table.filter(lambda t: bool(t), input_columns=text, new_fingerprint=fingerprint + "-nonempty")
     group_texts = _group_texts(text, tokenizer, block, masked)
     return table.map(
-        group_texts, batched=True, batch_size=_GROUP_BATCH, remove_columns=table.column_names, new_fingerprint=fingerprint, desc=f"tokenizing and packing into blocks of {block}"
+        group_texts, batched=True, batch_size=GROUP_BATCH, remove_columns=table.column_names, new_fingerprint=fingerprint, desc=f"tokenizing and packing into blocks of {block}"
     )
 
 

@@ -26,12 +26,15 @@ checkpoint as ``STREAM_STATE_FILE`` (listed in its manifest like every other fil
 
 The validation set is the first ``max_eval_samples`` blocks (default 1000) of the validation split
 (or ``validation_file``), unshuffled, held in memory and sharded for evaluation like any eval set.
+With ``validation_split_percentage`` it is the stream's held-out head instead, never trained on
+(``stream_holdout``); such a stream is split between ranks by blocks, not files.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..checkpoint import STREAM_STATE_FILE, atomic_write_json, read_json
-from .user_data import _GROUP_BATCH, DataSource, _collator, _columns, _group_texts, load_raw_splits
+from .stream_holdout import check_holdout, holdout
+from .user_data import GROUP_BATCH, DataSource, _collator, _columns, _group_texts, load_raw_splits
 
 if TYPE_CHECKING:
     import datasets
@@ -50,6 +54,7 @@ __all__ = ["DEFAULT_SHUFFLE_BUFFER", "DEFAULT_STREAM_EVAL_BLOCKS", "STREAM_STATE
 
 DEFAULT_SHUFFLE_BUFFER = 10_000  # documents; the datasets default is 1000, too few to mix a web corpus's files
 DEFAULT_STREAM_EVAL_BLOCKS = 1000
+logger = logging.getLogger(__name__)
 
 
 def _features(table: datasets.IterableDataset) -> dict[str, Any]:
@@ -66,14 +71,18 @@ def _features(table: datasets.IterableDataset) -> dict[str, Any]:
 
 
 def check_stream(source: DataSource, task: str) -> None:
-    """Check a local stream's splits and columns from its first rows (``check_data_source`` calls it).
+    """Check a local stream's splits and columns from its first rows, and a holdout's size (``check_data_source`` calls it).
 
     Raises:
-        ValueError: a missing file, split or column (naming those the data has).
+        ValueError: a missing file, split or column (naming those the data has); a
+            ``validation_split_percentage`` that cannot be honoured (``stream_holdout.check_holdout``).
     """
     train, validation = load_raw_splits(source, seed=0)
     _columns(source, task, _features(train))
-    _columns(source, task, _features(validation))
+    if validation is None:  # the stream's head is held out
+        check_holdout(source, train)
+    else:
+        _columns(source, task, _features(validation))
 
 
 def _packed(table: datasets.IterableDataset, source: DataSource, task: str, tokenizer: Any) -> datasets.IterableDataset:
@@ -81,14 +90,16 @@ def _packed(table: datasets.IterableDataset, source: DataSource, task: str, toke
     text = _columns(source, task, features)["text"]
     table = table.filter(lambda t: bool(t), input_columns=text)
     group_texts = _group_texts(text, tokenizer, source.max_seq_length, task == "masked-lm")
-    return table.map(group_texts, batched=True, batch_size=_GROUP_BATCH, remove_columns=list(features))
+    return table.map(group_texts, batched=True, batch_size=GROUP_BATCH, remove_columns=list(features))
 
 
 class StreamingBlocks(torch.utils.data.IterableDataset):
     """This rank's packed blocks of a stream, epoch after epoch, resumable at the same block.
 
     Args:
-        blocks: this rank's stream (after ``split_dataset_by_node``), in torch format.
+        blocks: this rank's stream (after ``split_dataset_by_node``), in torch format; with
+            ``stride``, the whole stream, of which this rank keeps every ``world_size``-th block
+            from block ``rank`` on (as ``split_dataset_by_node`` does for a stream it cannot split by files).
         rank, world_size: this process's place (recorded in the state, checked on load).
         where: the data's name, for messages.
 
@@ -96,16 +107,18 @@ class StreamingBlocks(torch.utils.data.IterableDataset):
     is ``{"epoch", "blocks", "rank", "world_size"}``: ``blocks`` handed out in ``epoch`` so far.
     """
 
-    def __init__(self, blocks: datasets.IterableDataset, *, rank: int, world_size: int, where: str) -> None:
+    def __init__(self, blocks: datasets.IterableDataset, *, rank: int, world_size: int, where: str, stride: bool = False) -> None:
         self.blocks = blocks
         self.rank, self.world_size, self.where = rank, world_size, where
+        self.step = world_size if stride else 1
         self.epoch, self.position = 0, 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         while True:
             self.blocks.set_epoch(self.epoch)
             # Replay the epoch and drop what was already handed out: exact (see the module docstring).
-            for row in itertools.islice(iter(self.blocks), self.position, None):
+            start = self.position * self.step + (self.rank if self.step > 1 else 0)
+            for row in itertools.islice(iter(self.blocks), start, None, self.step):
                 self.position += 1
                 yield row
             if self.position == 0:
@@ -151,10 +164,12 @@ def load_stream(
 
     Returns:
         ``DataSplits`` whose ``train`` is a ``StreamingBlocks`` (no length) and ``eval`` a
-        ``datasets.Dataset`` of at most ``max_eval_samples`` blocks.
+        ``datasets.Dataset`` of at most ``max_eval_samples`` blocks (of the validation split, or
+        of the held-out head with ``validation_split_percentage``; ``info["held_out_documents"]``).
 
     Raises:
-        ValueError: a missing split or column; a validation split too short for one block.
+        ValueError: a missing split or column; a validation split too short for one block; a
+            holdout that cannot be honoured (``stream_holdout.holdout``).
         NotImplementedError: ``sequence-classification``.
     """
     import datasets
@@ -168,9 +183,17 @@ def load_stream(
         rank, world_size = _rank_and_world()
     where = source.train_file or source.dataset_name
     train_raw, eval_raw = load_raw_splits(source, seed=seed)
+    held = None
+    if eval_raw is None:  # --validation_split_percentage: the stream's head, skipped before the shuffle
+        held = holdout(source, train_raw, _columns(source, task, _features(train_raw))["text"], tokenizer)
+        train_raw, eval_raw = train_raw.skip(held.documents), train_raw.take(held.documents)
+        if rank == 0 and held.rule == "blocks":
+            logger.warning("--streaming: the size of %r is not known; held out its first %d documents (--max_eval_samples blocks), not --validation_split_percentage=%s", where, held.documents, source.validation_split_percentage)
     buffer = source.streaming_shuffle_buffer or DEFAULT_SHUFFLE_BUFFER
     train = _packed(train_raw.shuffle(seed=seed, buffer_size=buffer), source, task, tokenizer)
-    train = split_dataset_by_node(train, rank=rank, world_size=world_size).with_format("torch")
+    if held is None:  # a held-out stream is split by blocks (StreamingBlocks' stride): skip() cannot be split by files
+        train = split_dataset_by_node(train, rank=rank, world_size=world_size)
+    train = train.with_format("torch")
     eval_blocks = source.max_eval_samples or DEFAULT_STREAM_EVAL_BLOCKS
     rows = list(_packed(eval_raw, source, task, tokenizer).take(eval_blocks))
     if not rows:
@@ -182,8 +205,9 @@ def load_stream(
         "shuffle_buffer": buffer,
         "train_shards": train_raw.num_shards,
         "eval_examples": len(evaluation),
+        **({"held_out_documents": held.documents, "holdout": held.rule} if held is not None else {}),
     }
-    blocks = StreamingBlocks(train, rank=rank, world_size=world_size, where=where)
+    blocks = StreamingBlocks(train, rank=rank, world_size=world_size, where=where, stride=held is not None)
     return DataSplits(train=blocks, eval=evaluation, collator=_collator(task, tokenizer, mlm_probability), label_names=None, info=info)
 
 

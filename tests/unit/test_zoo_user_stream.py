@@ -115,8 +115,6 @@ def test_eval_is_the_first_max_eval_samples_blocks_of_the_validation_file(corpus
 def test_refused_combinations(tmp_path, corpus):
     import dataclasses
 
-    with pytest.raises(ValueError, match="--validation_split_percentage=5.0 with --streaming"):
-        DataSource(train_file=corpus.train_file, streaming=True, validation_split_percentage=5.0)
     with pytest.raises(ValueError, match="--streaming_shuffle_buffer=100: applies with --streaming only"):
         DataSource(train_file=corpus.train_file, streaming_shuffle_buffer=100)
     with pytest.raises(ValueError, match="--streaming_shuffle_buffer=0: must be >= 1"):

@@ -1,6 +1,6 @@
 """Optional dependencies, grouped into the extras of ``pyproject.toml``; a missing one names its pip line.
 
-The core (``pip install qaccel``) is what the library needs to train with QSDP or 0/1 Adam in a
+The core (``pip install .`` from a clone, or the wheel; qaccel is on no package index yet) is what the library needs to train with QSDP or 0/1 Adam in a
 user's own script. The model zoo, benchmarks' plots and bitsandbytes export need more; each of
 those features calls :func:`require_extra` first, so a missing package is one clear error before
 any work starts rather than an ``ImportError`` from deep inside.
@@ -8,9 +8,12 @@ any work starts rather than an ``ImportError`` from deep inside.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
+import shlex
 
-__all__ = ["EXTRAS", "MissingExtraError", "require_extra"]
+__all__ = ["EXTRAS", "MissingExtraError", "pip_line", "require_extra"]
 
 # extra name -> the import names it provides (as listed under [project.optional-dependencies])
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -18,6 +21,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("matplotlib",),
     "bnb": ("bitsandbytes",),
     "tensorboard": ("tensorboard",),
+    "lora": ("peft",),
 }
 
 
@@ -41,4 +45,30 @@ def require_extra(extra: str, feature: str, modules: tuple[str, ...] | None = No
         raise ValueError(f"extra {extra!r}: unknown; known extras: {', '.join(EXTRAS)}")
     missing = [name for name in modules or EXTRAS[extra] if importlib.util.find_spec(name) is None]
     if missing:
-        raise MissingExtraError(f"{feature} needs {', '.join(missing)}, from the {extra!r} extra: pip install 'qaccel[{extra}]'")
+        raise MissingExtraError(
+            f"{feature} needs {', '.join(missing)}, from the {extra!r} extra: {pip_line(extra, missing)} "
+            f"(or, from a clone of qaccel: pip install '.[{extra}]')"
+        )
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503 names: an import name and its distribution compare equal
+
+
+def pip_line(extra: str, modules: list[str]) -> str:
+    """``pip install`` of ``modules`` with the version bounds the installed qaccel declares for ``extra``.
+
+    qaccel is on no package index, so ``pip install 'qaccel[extra]'`` would fail; the packages
+    themselves are. Without qaccel's metadata (a source tree on ``sys.path``) the bare names are given.
+    """
+    try:
+        declared = importlib.metadata.requires("qaccel") or []
+    except importlib.metadata.PackageNotFoundError:
+        declared = []
+    bounds = {}
+    for requirement in declared:
+        spec, _, marker = requirement.partition(";")
+        if f'extra == "{extra}"' in marker:
+            name = re.split(r"[<>=!~\[ ]", spec.strip(), maxsplit=1)[0]
+            bounds[_canonical(name)] = spec.strip()
+    return "pip install " + " ".join(shlex.quote(bounds.get(_canonical(m), _canonical(m))) for m in modules)

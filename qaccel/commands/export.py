@@ -22,6 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bnb", choices=_BNB_CHOICES, help="quantize the weights with bitsandbytes (default: full precision)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
     parser.add_argument("--model_name", help="name for the model card title and usage snippet (e.g. the Hub repo id)")
+    parser.add_argument("--merge_adapter", action="store_true",
+                        help="LoRA checkpoints: export the merged model (a plain transformers folder) instead of the adapter")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -29,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from ..hub.export import SIDECAR_FILE, export_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out, bnb=args.bnb, overwrite=args.overwrite, model_name=args.model_name)
+        out = export_checkpoint(args.checkpoint, args.out, bnb=args.bnb, overwrite=args.overwrite, model_name=args.model_name,
+                                 merge_adapter=args.merge_adapter)  # fmt: skip
     except (OSError, ValueError, RuntimeError, NotImplementedError, MissingExtraError) as err:
         return report_bad_input("qaccel export", err, exit_code=1)  # a failure, not a usage error
     files = sorted(p.name for p in out.iterdir())

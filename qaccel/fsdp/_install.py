@@ -61,6 +61,9 @@ class QSDPHandle:
     replica_all_reduces: list[ReplicaAllReduce] = field(default_factory=list)
     replicas: int = 1
     reduce_scatter_overlap: ReduceScatterOverlap | None = None  # QSDPConfig.overlap_reduce_scatter
+    # Per unit, the reduce-scatter's plan: the parameters that require grad (the all-gather's ``plans``
+    # cover all of them); the same object as the unit's plan when none is frozen.
+    grad_plans: list[UnitPlan] = field(default_factory=list)
     _hooks: list = field(default_factory=list)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -78,17 +81,19 @@ class QSDPHandle:
         self.seeds.advance()
 
     def describe(self) -> list[dict]:
-        """Per unit: name, shard elements, quantized elements, and which paths are quantized."""
+        """Per unit: name, shard elements (all, and those with gradients), quantized elements, and which paths are quantized."""
         return [
             {
                 "unit": plan.name,
                 "shard_numel": sum(n for n, _ in plan.segments),
                 "quantized_numel": sum(n for n, q in plan.segments if q),
+                # what the reduce-scatter carries: frozen parameters (adapters, LoRA) have no gradient
+                "grad_shard_numel": sum(n for n, _ in rs.plan.segments),
                 "weights_quantized": ag.codec is not None,
                 "grads_quantized": rs.codec is not None,
                 # what gradient error feedback holds on this rank: (P-1) chunks of the reduce-scatter
                 "error_feedback_bytes": (
-                    (self.world_size - 1) * sum(n for n, _ in plan.segments) * rs.error_dtype.itemsize if rs.error_dtype is not None else 0
+                    (self.world_size - 1) * sum(n for n, _ in rs.plan.segments) * rs.error_dtype.itemsize if rs.error_dtype is not None else 0
                 ),
                 **({"replica_grads_quantized": ar.codec is not None} if ar is not None else {}),
             }
@@ -209,17 +214,11 @@ def install_qsdp(
     # One per model: pending reduce-scatters finish in the order they started, whichever unit.
     overlap = ReduceScatterOverlap() if config.overlap_reduce_scatter else None
     plans, all_gathers, reduce_scatters, replica_all_reduces = [], [], [], []
+    grad_plans = []
     for unit in units:
-        plan = UnitPlan.build(
-            unit.index,
-            unit.name,
-            [p.shape for p in unit.params],
-            unit.shard_numels(),
-            param_min_numel=config.param_min_numel,
-            unit_min_numel=config.unit_min_numel,
-        )
+        plan, grad_plan = _unit_plans(unit, config)
         all_gather = QuantizedAllGather(plan, config.weight_codec(), seeds, meter, buffers)
-        reduce_scatter = QuantizedReduceScatter(plan, config.grad_codec(), seeds, meter, buffers, config.error_feedback_dtype())
+        reduce_scatter = QuantizedReduceScatter(grad_plan, config.grad_codec(), seeds, meter, buffers, config.error_feedback_dtype())
         refuse_unsupported(unit, weights_quantized=all_gather.codec is not None, grads_quantized=reduce_scatter.codec is not None)
         reduce_scatter.owner_offset = owner_offset
         all_gather.overlap = reduce_scatter.overlap = overlap
@@ -228,11 +227,13 @@ def install_qsdp(
         groups = torch_internals.param_groups(torch_internals.fsdp_state(unit.modules[0]))
         reduce_scatter.param_group = groups[0] if groups else None
         plans.append(plan)
+        grad_plans.append(grad_plan)
         all_gathers.append(all_gather)
         reduce_scatters.append(reduce_scatter)
         if replicas > 1:
             owner = owner_offset + shard_rank
-            replica_all_reduces.append(ReplicaAllReduce(plan, config.replica_grad_codec(), seeds, meter, replica_group, owner, buffers))
+            # the all-reduce hook sums the reduce-scatter's output: the gradient plan's layout
+            replica_all_reduces.append(ReplicaAllReduce(grad_plan, config.replica_grad_codec(), seeds, meter, replica_group, owner, buffers))
     # Every check passed: only now change the units.
     for index, (unit, all_gather, reduce_scatter) in enumerate(zip(units, all_gathers, reduce_scatters, strict=True)):
         for module in unit.modules:
@@ -248,11 +249,37 @@ def install_qsdp(
             module.set_custom_reduce_scatter(reduce_scatter)
     if config.prefetch:
         apply_prefetch(model)
-    handle = QSDPHandle(config, units, plans, all_gathers, reduce_scatters, seeds, world_size, replica_all_reduces, replicas, overlap)
+    handle = QSDPHandle(
+        config, units, plans, all_gathers, reduce_scatters, seeds, world_size, replica_all_reduces, replicas, overlap, grad_plans=grad_plans
+    )
     for optimizer in optimizers:
         handle.attach_optimizer(optimizer)
     logger.debug("QSDP installed on %d FSDP units: %s", len(units), handle.describe())
     return handle
+
+
+def _unit_plans(unit: FSDPUnit, config: QSDPConfig) -> tuple[UnitPlan, UnitPlan]:
+    """The unit's all-gather plan (every parameter) and reduce-scatter plan (those that require grad).
+
+    FSDP2 all-gathers every parameter of a unit but reduce-scatters only the gradients it has, in
+    ``fsdp_params`` order (``FSDPParamGroup.post_backward``), each padded like its shard. With
+    frozen parameters (LoRA adapters over a frozen base) the gradient buffer is the trainable
+    parameters' shards alone, so its plan is built from those; a plan over all of them would not
+    match the buffer and fall back to uniform buckets. A parameter frozen or unfrozen after the
+    install still meets that fallback (with its warning) rather than a wrong map.
+    """
+    shapes, shard_numels = [p.shape for p in unit.params], unit.shard_numels()
+    build = lambda keep: UnitPlan.build(  # noqa: E731
+        unit.index,
+        unit.name,
+        [s for s, k in zip(shapes, keep, strict=True) if k],
+        [n for n, k in zip(shard_numels, keep, strict=True) if k],
+        param_min_numel=config.param_min_numel,
+        unit_min_numel=config.unit_min_numel,
+    )
+    plan = build([True] * len(shapes))
+    trainable = unit.trainable()
+    return plan, plan if all(trainable) else build(trainable)
 
 
 def _check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup | None) -> int:

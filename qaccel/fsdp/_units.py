@@ -8,8 +8,10 @@ checked against and fails with that message when an attribute is gone.
 Segment map (``docs/qsdp.md``, "Segment map"): FSDP2's all-gather input of a unit is its parameters' shards, in the
 order ``fully_shard`` collected them (post-order DFS from the unit's modules, not entering nested
 units, each parameter once), each padded to ``ceil(dim0 / P) * prod(rest)`` elements. The
-reduce-scatter chunk for one rank has the same layout. The map is checked against the real
-buffer length at the first call; on a mismatch the comm warns once and uses uniform buckets.
+reduce-scatter chunk for one rank has the same layout over the parameters that require grad
+(frozen ones, e.g. a LoRA base, have no gradient to send: ``FSDPUnit.trainable``). The map is
+checked against the real buffer length at the first call; on a mismatch the comm warns once and
+uses uniform buckets.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ class FSDPUnit:
 
     def shard_numels(self) -> list[int]:
         return [padded_shard_numel(p.shape, self.world_size) for p in self.params]
+
+    def trainable(self) -> list[bool]:
+        """Per parameter, whether it requires grad: FSDP2 reduce-scatters only those parameters' gradients."""
+        return [p.requires_grad for p in self.params]
 
 
 def _managed_params(roots: tuple[nn.Module, ...]) -> list[nn.Parameter]:

@@ -22,6 +22,8 @@ from typing import Any
 from .._extras import require_extra
 from .._version import __version__
 from ..checkpoint import MODEL_FILES_DIR, TASKS, atomic_write_json, install_dir, open_checkpoint, read_json, staging_dir
+from ..zoo.lora import LoraSpec
+from ._adapter import check_adapter_export, lora_card, lora_metadata, lora_of, save_lora_model, wrap_like_checkpoint
 from ._weights import SavedWeights, find_weights
 from .card import BNB_DESCRIPTIONS, build_model_card
 
@@ -164,6 +166,28 @@ def _build_model(hf_dir: Path, task: str, dtype: Any) -> Any:
     return auto_class.from_config(config, **kwargs)
 
 
+def _write_weights(hf_dir: Path, saved: SavedWeights, run_state: dict, out: Path, *, lora: LoraSpec | None, merge_adapter: bool) -> None:
+    """The checkpoint's weights in a model built from its config, saved to ``out`` (a LoRA run: adapter or merged model)."""
+    model = _build_model(hf_dir, run_state["task"], saved.dtype)
+    if lora is not None:
+        model = wrap_like_checkpoint(model, lora, run_state["task"])
+    saved.load_into(model)
+    model.eval()
+    if lora is not None:
+        save_lora_model(model, out, merge_adapter=merge_adapter, base_model=run_state.get("base_model"))
+    else:
+        model.save_pretrained(out)
+
+
+def _write_quantized(full_precision: Path, out: Path, task: str, bnb: str, dtype: Any) -> None:
+    """The full-precision folder loaded through transformers with bitsandbytes quantization (on CPU), saved to ``out``."""
+    import transformers
+
+    auto_class = getattr(transformers, TASKS[task][0])
+    quantized = auto_class.from_pretrained(str(full_precision), quantization_config=bnb_config(bnb, dtype), device_map="cpu")
+    quantized.save_pretrained(out)
+
+
 def export_checkpoint(
     checkpoint_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -171,6 +195,7 @@ def export_checkpoint(
     bnb: str | None = None,
     overwrite: bool = False,
     model_name: str | None = None,
+    merge_adapter: bool = False,
 ) -> Path:
     """Write a Hugging Face model folder from a qaccel training checkpoint.
 
@@ -184,6 +209,8 @@ def export_checkpoint(
         overwrite: replace an existing non-empty ``out_dir`` (whole, only once the new folder is complete).
         model_name: the name in the card's title, usage snippet and ``model-index`` (the Hub repo
             id when known); default: the name of ``out_dir``.
+        merge_adapter: for a LoRA checkpoint, write the merged model (``merge_and_unload``) instead
+            of the adapter (``qaccel.hub._adapter``); a checkpoint without LoRA refuses it.
 
     Returns:
         ``out_dir``.
@@ -203,6 +230,8 @@ def export_checkpoint(
     # The check resume makes, with the same errors, before anything is read: every file against the
     # manifest, DCP metadata pickles vetted.
     run_state = open_checkpoint(checkpoint_dir)
+    lora = lora_of(run_state)  # a LoRA run: its adapter (or, merged, a plain model) is what is exported
+    check_adapter_export(lora, merge_adapter=merge_adapter, bnb=bnb)
     hf_dir = checkpoint_dir / MODEL_FILES_DIR
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"{hf_dir}: not found; the checkpoint lacks the model config (save_checkpoint_metadata writes it)")
@@ -214,26 +243,18 @@ def export_checkpoint(
     try:
         if bnb:  # the full-precision folder the quantized model is loaded from
             full_precision = staging_dir(out_dir, "export-fp")
-        model = _build_model(hf_dir, run_state["task"], saved.dtype)
-        saved.load_into(model)
-        model.eval()
-        model.save_pretrained(full_precision)
+        _write_weights(hf_dir, saved, run_state, full_precision, lora=lora, merge_adapter=merge_adapter)
         if bnb:
-            del model
-            import transformers
-
-            auto_class = getattr(transformers, TASKS[run_state["task"]][0])
-            quantized = auto_class.from_pretrained(
-                str(full_precision), quantization_config=bnb_config(bnb, saved.dtype), device_map="cpu"
-            )
-            quantized.save_pretrained(staged)
-            del quantized
+            _write_quantized(full_precision, staged, run_state["task"], bnb, saved.dtype)
         _copy_model_files(hf_dir, staged)
-        _stamp_metadata(staged, safetensors_metadata(run_state, bnb))
+        _stamp_metadata(staged, {**safetensors_metadata(run_state, bnb), **lora_metadata(lora, merge_adapter=merge_adapter)})
         sidecar = _sidecar(run_state, bnb, weights_dtype, checkpoint_dir)
         atomic_write_json(staged / SIDECAR_FILE, sidecar)
         label_names = _label_names(hf_dir) if run_state["task"] == "sequence-classification" else None
         card = build_model_card(run_state, model_name=model_name or out_dir.name, bnb=bnb, weights_dtype=weights_dtype, label_names=label_names)
+        if lora is not None:
+            card = lora_card(card, lora, merge_adapter=merge_adapter, run_state=run_state, model_name=model_name or out_dir.name,
+                             num_labels=len(label_names) if label_names else None)  # fmt: skip
         card.save(str(staged / "README.md"))
         install_dir(staged, out_dir)
     except BaseException:

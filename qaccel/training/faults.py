@@ -11,26 +11,37 @@ ranks, then leaves with ``os._exit`` so no interpreter shutdown work can block o
 The lost ranks come from pid files: every rank writes ``OUTPUT_DIR/pids/rank{R}.pid`` (pid, host and
 process start time) once the process group is up, and a survivor looks up the peers on its own host.
 Peers on other hosts are reported as unknown rather than guessed.
+
+Ctrl-C is not a fault: :class:`InterruptHandler` makes every rank leave quietly with status 130, the
+main process printing one line (the step, the last complete checkpoint, the command that resumes),
+with no pid file or half-written checkpoint left behind. ``qaccel train`` passes that command to the
+ranks it launches in :data:`RESUME_COMMAND_ENV`.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import shlex
 import signal
 import socket
 import sys
 import traceback
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from types import FrameType, TracebackType
+from typing import Any, NoReturn
 
 import psutil  # a dependency of Accelerate
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "EXIT_INTERRUPTED",
     "EXIT_PEER_FAILURE",
+    "RESUME_COMMAND_ENV",
     "FaultReporter",
+    "InterruptHandler",
+    "interrupt_line",
+    "resume_argv",
     "is_collective_failure",
     "process_group_timeout",
 ]
@@ -42,6 +53,14 @@ node for PyTorch's 30-minute gloo default."""
 
 EXIT_PEER_FAILURE = 3
 """Exit status of a rank that stopped because a peer or a collective failed."""
+
+EXIT_INTERRUPTED = 130
+"""Exit status of a run stopped by Ctrl-C (SIGINT): 128 + 2, what a shell reports for it."""
+
+RESUME_COMMAND_ENV = "QACCEL_RESUME_COMMAND"
+"""Set by ``qaccel train`` for the ranks it launches: the command line that resumes the run."""
+
+_RESUME_FLAGS = ("--resume_from_checkpoint", "--resume-from-checkpoint")
 
 _COLLECTIVE_MARKERS = (
     "gloo",
@@ -184,7 +203,12 @@ class FaultReporter:
             sys.excepthook = self._previous_hook
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._installed = False
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Remove this rank's pid file and stop marker, and the ``pids/`` folder once it is empty."""
         self.pid_file.unlink(missing_ok=True)
+        self.stopped_file.unlink(missing_ok=True)
         try:
             self.pid_dir.rmdir()
         except OSError:
@@ -198,3 +222,100 @@ def _alive(pid: int, created: float) -> bool:
         return abs(proc.create_time() - created) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def resume_argv(argv: list[str]) -> list[str]:
+    """``argv`` with ``--resume_from_checkpoint latest`` in place of any ``--resume_from_checkpoint`` it had."""
+    kept: list[str] = []
+    skip_value = False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg in _RESUME_FLAGS:
+            skip_value = True
+        elif not arg.startswith(tuple(flag + "=" for flag in _RESUME_FLAGS)):
+            kept.append(arg)
+    return [*kept, "--resume_from_checkpoint", "latest"]
+
+
+def interrupt_line(where: str, output_dir: str | os.PathLike | None, resume_command: str) -> str:
+    """The one line of an interrupted run: ``qaccel: interrupted WHERE; CHECKPOINT; resume with: COMMAND``.
+
+    ``--resume_from_checkpoint latest`` starts afresh when there is no complete checkpoint yet, so
+    the same command serves both cases.
+    """
+    from ..checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(output_dir) if output_dir is not None else None
+    saved = f"the last complete checkpoint is {latest}" if latest else "no complete checkpoint yet"
+    return f"qaccel: interrupted {where}; {saved}; resume with: {resume_command}"
+
+
+class InterruptHandler:
+    """Ctrl-C (SIGINT) on a training process: one line from the main process, nothing left behind, exit 130.
+
+    ``accelerate launch`` and ``torchrun`` pass a Ctrl-C on to every rank as SIGINT; left alone, each
+    printed a ``KeyboardInterrupt`` traceback and left its pid file. While installed (a context
+    manager), SIGINT runs :meth:`finish` at the next bytecode: it ignores further SIGINT and SIGTERM
+    (the launcher follows up with SIGTERM), the main process deletes the hidden partial checkpoint
+    folders and prints the line, every rank removes its pid file, and the process leaves with
+    ``os._exit(130)``. The stack is not unwound: ``finally`` blocks and context exits would run
+    collectives (Accelerate's ``main_process_first`` barrier) with peers that are already leaving.
+
+    Args:
+        is_main: whether this is the main process (global rank 0), which prints the line.
+        argv: the training entry point's arguments, for the resume command when no launcher gave one.
+        output_dir: the run's output folder, once known (set :attr:`output_dir` later otherwise).
+    """
+
+    def __init__(self, *, is_main: bool, argv: list[str], output_dir: str | os.PathLike | None = None) -> None:
+        self.is_main = is_main
+        self.argv = list(argv)
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        #: the rank's FaultReporter once the process group is up: its step and pid file
+        self.reporter: FaultReporter | None = None
+        self._previous: Any = None
+
+    def __enter__(self) -> InterruptHandler:
+        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def resume_command(self) -> str:
+        """What to run to resume: the launcher's command (:data:`RESUME_COMMAND_ENV`), else this entry point's."""
+        given = os.environ.get(RESUME_COMMAND_ENV, "").strip()
+        if given:
+            return given
+        return "your launcher (torchrun, accelerate launch) with " + shlex.join(["-m", "qaccel.train", *resume_argv(self.argv)])
+
+    def describe(self) -> str:
+        """The line the main process prints."""
+        step = self.reporter.step if self.reporter is not None else 0
+        where = f"at step {step}" if step else "before the first training step"
+        return interrupt_line(where, self.output_dir, self.resume_command())
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        self.finish()
+
+    def finish(self) -> NoReturn:
+        """Clean up, print the line (main process), and exit with status 130."""
+        from ..checkpoint import remove_partial_checkpoints
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            if self.is_main and self.output_dir is not None:
+                remove_partial_checkpoints(self.output_dir)
+            if self.is_main:
+                try:
+                    sys.stdout.flush()
+                except (OSError, ValueError):
+                    pass  # a closed or broken stdout must not cost the line on stderr
+                # On a line of its own: a progress bar on stderr leaves the cursor at the end of its line.
+                print("\n" + self.describe(), file=sys.stderr, flush=True)
+            if self.reporter is not None:
+                self.reporter.remove_files()
+        finally:
+            os._exit(EXIT_INTERRUPTED)  # skip interpreter shutdown: destructors may wait on peers that left

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "LAUNCH_FROM_ENV",
     "MethodPlan",
     "launch_config_parallelism",
+    "launch_config_for_method",
     "plan_method",
     "build_accelerator",
     "build_optimizer",
@@ -92,6 +94,47 @@ def launch_config_parallelism(config_file: str | os.PathLike) -> str | None:
     return {"FSDP": "fsdp2", "DEEPSPEED": "deepspeed"}.get(kind)
 
 
+# The parallelisms each method runs on (launch_config_parallelism's values; None: DDP or one process).
+_RUNS_ON: dict[str, tuple[str | None, ...]] = {
+    "qsdp": ("fsdp2", "hsdp"),
+    "zero_one_adam": (None, "hsdp"),
+    "onebit_adam": (None, "hsdp"),
+    "none": (None, "fsdp2", "hsdp"),
+}
+# A shipped config's twin on the same hardware and process count, for the other parallelism.
+_TWIN_SUFFIXES = {"_qsdp": "_ddp", "_ddp": "_qsdp"}
+
+
+def launch_config_for_method(method: str, recipe_config: str | os.PathLike) -> Path:
+    """The launch config of a recipe's run under another ``--method``, when none is given.
+
+    The recipe's own config when it can run ``method`` (QSDP needs FSDP2, the 1-bit optimizers
+    DDP or HSDP); otherwise its shipped twin for the other parallelism on the same hardware and
+    process count (``cpu_2proc_qsdp`` <-> ``cpu_2proc_ddp``, ``gpu_1node_8_qsdp`` <->
+    ``gpu_1node_8_ddp``), as a run without a recipe picks ``DEFAULT_LAUNCH_CONFIGS[method]``.
+    Without a twin the recipe's config is returned, and the input check names the configs that work.
+
+    Raises:
+        ValueError: an unknown method, or a config Accelerate cannot read.
+    """
+    from .._resources import launch_config_path
+
+    if method not in _RUNS_ON:
+        raise ValueError(f"--method {method!r}: unknown; choose one of {', '.join(METHODS)}")
+    config = Path(recipe_config)
+    if launch_config_parallelism(config) in _RUNS_ON[method]:
+        return config
+    stem = config.stem
+    for suffix, twin in _TWIN_SUFFIXES.items():
+        if stem.endswith(suffix):
+            try:
+                candidate = launch_config_path(stem[: -len(suffix)] + twin)
+            except ValueError:  # no shipped twin
+                return config
+            return candidate if launch_config_parallelism(candidate) in _RUNS_ON[method] else config
+    return config
+
+
 def plan_method(
     method: str,
     *,
@@ -141,8 +184,8 @@ def plan_method(
         if launch != "hsdp":
             raise ValueError(
                 f"--method {method} with an FSDP launch config: runs on HSDP shards and needs parallelism_config "
-                "parallelism_config_dp_replicate_size >= 2 (got 1); use launch_configs/cpu_2x2_hqsdp.yaml, "
-                "or a DDP launch (launch_configs/cpu_2proc_ddp.yaml, plain torchrun)"
+                "parallelism_config_dp_replicate_size >= 2 (got 1); use the shipped launch config cpu_2x2_hqsdp "
+                "(qaccel train --launch_config cpu_2x2_hqsdp), or a DDP launch (cpu_2proc_ddp, plain torchrun)"
             )
         parallelism = "fsdp2"  # on HSDP shards: sharded within a node, the optimizer across replicas
     else:

@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests._dist import launch_env
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "train.py"
 DETECT_LIMIT_S = 45.0  # kill -> launcher exit; the survivors see the closed connection at their next collective
@@ -34,10 +36,7 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    prefixes = ("QACCEL_", "FSDP_", "ACCELERATE_")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    clean.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return clean
+    return launch_env()
 
 
 def _logged_steps(out: Path) -> int:

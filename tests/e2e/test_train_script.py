@@ -138,7 +138,7 @@ def test_one_bit_optimizer_under_a_1d_fsdp_launch_config_fails_fast_with_the_fix
     # A 1-bit optimizer runs on FSDP only as HSDP shards (replicas to compress across); a 1-D mesh has none.
     proc = launch(QSDP_CONFIG, "--recipe", "bert-tiny", "--output_dir", str(tmp_path / "x"), check=False)
     assert proc.returncode != 0
-    assert "cpu_2proc_ddp.yaml" in proc.stderr and "dp_replicate_size >= 2" in proc.stderr
+    assert "cpu_2proc_ddp" in proc.stderr and "--launch_config cpu_2x2_hqsdp" in proc.stderr and "dp_replicate_size >= 2" in proc.stderr
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 

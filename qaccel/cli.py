@@ -11,20 +11,22 @@ import argparse
 import logging
 import sys
 
-from ._errors import report_bad_input
+from ._errors import FlagParser, report_bad_input
 from ._extras import MissingExtraError
-from .commands import bench, configs, env, export, push, recipes, selfcheck, train
+from .commands import bench, configs, demo, env, export, push, recipes, selfcheck, train
 
 __all__ = ["main", "build_parser"]
 
-_COMMANDS = (train, recipes, configs, export, push, bench, env, selfcheck)
+_COMMANDS = (demo, train, recipes, configs, export, push, bench, env, selfcheck)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # FlagParser: no prefix matching, --a-b for --a_b; its subcommand parsers (nested ones too) are FlagParsers
+    parser = FlagParser(
         prog="qaccel",
         description=__doc__.splitlines()[0],
-        epilog="Flags use underscores, as in Hugging Face's scripts (--output_dir, --dry_run). QACCEL_DEBUG=1 shows tracebacks for bad input.",
+        epilog="Flags use underscores, as in Hugging Face's scripts (--output_dir, --dry_run), spelled in "
+        "full; a dash within a flag reads as an underscore. QACCEL_DEBUG=1 shows tracebacks for bad input.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
     subparsers = parser.add_subparsers(dest="command", required=True)

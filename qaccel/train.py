@@ -79,8 +79,10 @@ from qaccel.training import (
     process_group_timeout,
     replica_check_interval,
 )
+from qaccel.training.faults import InterruptHandler
 from qaccel.training.methods import LAUNCH_FROM_ENV
 from qaccel.zoo import Recipe, load_data, load_model, load_recipe, load_tokenizer
+from qaccel.zoo.lora import LoraSpec, add_lora_flags, apply_lora, check_lora_resume, check_recipe_lora, lora_from_flags
 from qaccel.zoo.metrics import load_classification_metrics
 from qaccel.zoo.recipes import SOURCE_LOCATION, TASKS
 from qaccel.zoo.user_data import DEFAULT_RECIPE_PATH, DataSource, check_data_source, default_recipe, load_user_data
@@ -136,9 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--text_column", help="the text column (default: text, else sentence, else the first string column)")
     data.add_argument("--text_pair_column", help="the second text of a sentence pair (sequence-classification)")
     data.add_argument("--label_column", help="the label column: integers, strings or ClassLabel (default: label)")
-    data.add_argument("--validation_split_percentage", type=float, help="evaluate on this percentage of the train split, drawn with --seed")
+    data.add_argument("--validation_split_percentage", type=float, help="evaluate on this percentage of the train split, drawn with --seed (--streaming: its first P%% of documents, never trained on)")
     data.add_argument("--max_seq_length", type=int, help="tokens per example or LM block (default: the recipe's dataset.seq_len, else 128)")
-    data.add_argument("--max_eval_samples", type=int, help="evaluate on the first N examples (LM blocks) of the validation set (default: all; --streaming: 1000)")
+    data.add_argument("--max_eval_samples", type=int, help="evaluate on the first N examples (LM blocks) of the validation set (default: all; --streaming: 1000; with --validation_split_percentage, a stream of unknown size holds out its first N blocks)")
     data.add_argument("--streaming", action="store_true", help="stream the train split: shuffled, sharded, tokenized and packed on the fly; resumes at the same block (LMs)")
     data.add_argument("--streaming_shuffle_buffer", type=int, help=f"documents in the stream's shuffle buffer (default {DEFAULT_SHUFFLE_BUFFER}; 1: file order)")
     # One flag per config field, help and type from the field (qaccel._settings); not given: not passed on.
@@ -147,6 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument_group("0/1 Adam and 1-bit Adam settings (ZeroOneAdamConfig, OneBitAdamConfig)"),
         "zoadam_", ZeroOneAdamConfig, OneBitAdamConfig,
     )  # fmt: skip
+    add_lora_flags(parser)
     args = parser.parse_args(argv)
     if args.push_to_hub and not args.hub_model_id:
         raise UsageError("--push_to_hub needs --hub_model_id ORG/NAME")
@@ -220,6 +223,7 @@ class RunInputs:
     resume_warnings: list[str]
     replica_interval: int  # QACCEL_CHECK_REPLICAS
     world_size: int
+    lora: LoraSpec | None = None  # the recipe's lora: section with --lora_* on top; None: every weight trains
 
     def run_state(self, step: int, wire_total: int, metrics: dict | None) -> dict:
         """The metadata a checkpoint of this run records (and a resume compares)."""
@@ -237,6 +241,7 @@ class RunInputs:
             extra={
                 "training": self.cfg,
                 "parallelism": self.plan.parallelism,
+                **({"lora": self.lora.to_dict()} if self.lora is not None else {}),
                 **({"data": self.data_source.to_dict()} if self.data_source is not None else {}),
             },
         )
@@ -286,12 +291,16 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
         resume_warnings=[],
         replica_interval=replica_check_interval(),
         world_size=world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")),
+        lora=lora_from_flags(args, recipe.lora),
     )
+    if inputs.lora is not None:  # target names against the model's layers, on the meta device
+        check_recipe_lora(inputs.lora, recipe, inputs.model_source)
     if inputs.resume_from is None:
         return inputs
     # A damaged checkpoint, or one of another model or method, is refused before any collective.
     saved = open_checkpoint(inputs.resume_from)  # names a missing, truncated or altered file before anything loads
     warnings = check_resume(saved, inputs.run_state(saved["step"], 0, None))
+    check_lora_resume(saved, inputs.lora)
     check_stream_resume(inputs.resume_from, streaming=source is not None and source.streaming, world_size=inputs.world_size)
     return dataclasses.replace(inputs, saved=saved, resume_warnings=warnings)
 
@@ -316,9 +325,28 @@ def main(argv: list[str] | None = None) -> dict:
     return train(args, check_inputs(args))
 
 
-def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
-    """The training run: set-up, the loop, evaluation, checkpoints, an optional push. Returns the summary."""
-    recipe, cfg, plan, model_source = inputs.recipe, inputs.cfg, inputs.plan, inputs.model_source
+def load_data_and_model(accelerator: Any, inputs: RunInputs) -> tuple[Any, Any, torch.nn.Module]:
+    """The tokenizer, the data splits and the model (with its LoRA adapters when asked), as a user's script builds them."""
+    recipe, model_source = inputs.recipe, inputs.model_source
+    # Data and tokenizer are built (and cached on disk) by the main process first.
+    with accelerator.main_process_first():
+        tokenizer = load_tokenizer(recipe, model_source)
+        if inputs.data_source is None:
+            data = load_data(recipe, tokenizer)
+        else:
+            data = load_user_data(inputs.data_source, recipe.task, tokenizer, seed=inputs.cfg["seed"], mlm_probability=recipe.training.mlm_probability or 0.15)
+    model = load_model(recipe, tokenizer, model_source, label_names=data.label_names)  # id2label reaches the checkpoint's config
+    if inputs.lora is not None:  # frozen base, trainable adapters (and head), before prepare as in a user's script
+        model = apply_lora(model, inputs.lora, recipe.task, seed=recipe.training.seed)
+    return tokenizer, data, model
+
+
+def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHandler | None = None) -> dict:
+    """The training run: set-up, the loop, evaluation, checkpoints, an optional push. Returns the summary.
+
+    ``interrupt`` (installed by :func:`cli`) learns the rank's step and pid file for a Ctrl-C's line and clean-up.
+    """
+    recipe, cfg, plan = inputs.recipe, inputs.cfg, inputs.plan
     output_dir, resume_from, saved, run_state = inputs.output_dir, inputs.resume_from, inputs.saved, inputs.run_state
     accelerator = build_accelerator(
         plan,
@@ -330,16 +358,11 @@ def train(args: argparse.Namespace, inputs: RunInputs) -> dict:
         collective_timeout_s=args.collective_timeout_s,
     )
     faults = FaultReporter(output_dir, accelerator.process_index, accelerator.num_processes)  # a lost rank: one clear line
+    if interrupt is not None:
+        interrupt.reporter, interrupt.is_main = faults, accelerator.is_main_process
     set_seed(cfg["seed"])
 
-    # Data and tokenizer are built (and cached on disk) by the main process first.
-    with accelerator.main_process_first():
-        tokenizer = load_tokenizer(recipe, model_source)
-        if inputs.data_source is None:
-            data = load_data(recipe, tokenizer)
-        else:
-            data = load_user_data(inputs.data_source, recipe.task, tokenizer, seed=cfg["seed"], mlm_probability=recipe.training.mlm_probability or 0.15)
-    model = load_model(recipe, tokenizer, model_source, label_names=data.label_names)  # id2label reaches the checkpoint's config
+    tokenizer, data, model = load_data_and_model(accelerator, inputs)
     # A stream (--streaming) is already this rank's share, shuffled, and has no length: it is not
     # prepared (Accelerate would dispatch an iterable's batches from rank 0) and reads in this process.
     streaming = inputs.data_source is not None and inputs.data_source.streaming
@@ -503,20 +526,24 @@ def cli(argv: list[str] | None = None) -> int:
 
     Bad input is one line on stderr, from the main process only (every rank checks, one speaks), with
     no traceback unless ``QACCEL_DEBUG=1``; the launcher's own summary follows. Errors once training
-    has started are real failures and keep their tracebacks.
+    has started are real failures and keep their tracebacks. Ctrl-C: exit status 130 on every rank,
+    one line from the main process (step, last complete checkpoint, how to resume), no traceback.
     """
-    try:
-        args = parse_args(argv)
-        inputs = check_inputs(args)
-    except BAD_INPUT_ERRORS as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            report_bad_input("qaccel.train", err)
-        else:
-            # torchrun stops every rank as soon as one exits: were a silent rank to exit first, the main
-            # process could be killed before its line is out. Give it that moment.
-            time.sleep(BAD_INPUT_GRACE_S)
-        return USAGE_EXIT_CODE
-    train(args, inputs)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with InterruptHandler(is_main=int(os.environ.get("RANK", "0")) == 0, argv=argv) as interrupt:
+        try:
+            args = parse_args(argv)
+            inputs = check_inputs(args)
+        except BAD_INPUT_ERRORS as err:
+            if int(os.environ.get("RANK", "0")) == 0:
+                report_bad_input("qaccel.train", err)
+            else:
+                # torchrun stops every rank as soon as one exits: were a silent rank to exit first, the main
+                # process could be killed before its line is out. Give it that moment.
+                time.sleep(BAD_INPUT_GRACE_S)
+            return USAGE_EXIT_CODE
+        interrupt.output_dir = inputs.output_dir
+        train(args, inputs, interrupt=interrupt)
     return 0
 
 

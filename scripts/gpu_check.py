@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from qaccel._errors import FlagParser  # noqa: E402
 from qaccel.quant import _native, reference  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -1188,7 +1189,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Context], dict]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(  # qaccel's flag rules: no prefix matching, --a-b reads as --a_b
         description=__doc__.splitlines()[0],
         epilog=f"sections, in run order: {', '.join(SECTIONS)}. See docs/gpu_runbook.md.",
     )

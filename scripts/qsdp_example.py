@@ -33,7 +33,7 @@ logger = logging.getLogger("qsdp_example")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # typos are errors
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
     parser.add_argument("--batch_size", type=int, default=8, help="sequences per process per step")
     parser.add_argument("--seq_len", type=int, default=32)

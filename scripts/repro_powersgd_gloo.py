@@ -81,7 +81,7 @@ def _free_port() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # typos are errors
     parser.add_argument("--layers", type=int, default=6, help="Linear(256, 256) layers, one DDP bucket each (default 6)")
     parser.add_argument("--one_bucket", action="store_true", help="a bucket cap that holds every layer: one DDP bucket")
     parser.add_argument("--steps", type=int, default=4, help="training steps; PowerSGD compresses from step 2 (default 4)")

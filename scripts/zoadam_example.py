@@ -40,7 +40,7 @@ DEMO_DEFAULTS = {"lr": 5e-4, "var_freeze_step": 20, "var_update_scaler": 4, "loc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # typos are errors
     parser.add_argument("--optimizer", choices=("ZeroOneAdam", "OneBitAdam"), default=None, help="default: from --ds_config, else ZeroOneAdam")
     parser.add_argument("--ds_config", default=None, help="DeepSpeed JSON config whose optimizer block to use")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")

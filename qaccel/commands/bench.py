@@ -82,13 +82,14 @@ def _run_e2e(args: argparse.Namespace) -> int:
     """Exit 1 with the reason when the benchmark cannot run (not root, no iproute2) or a configuration failed; 130 when interrupted."""
     import sys
 
+    from .._errors import prefixed
     from ..bench import e2e as e2e_bench
 
     _require_plotting(args)
     try:
         report = e2e_bench.run(args)
-    except e2e_bench.E2EError as exc:
-        print(f"qaccel bench e2e: {exc}", file=sys.stderr)
+    except e2e_bench.E2EError as exc:  # "needs root" names the command itself: prefixed says it once
+        print(prefixed("qaccel bench e2e", str(exc)), file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the namespace and its processes are gone by now
         print(f"qaccel bench e2e: interrupted ({exc or 'SIGINT'}); the network namespace was removed", file=sys.stderr)

@@ -20,11 +20,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._settings import DEPRECATED_CONFIG_FILE_ENV, SettingsMixin, parse_bool
+from .._settings import BOOL_WORDS, DEPRECATED_CONFIG_FILE_ENV, SettingsMixin, parse_bool
 from ..comm import WireCodec
 from ..quant import META_DTYPES, ROTATIONS, ROUNDINGS
 
-__all__ = ["QSDPConfig", "PRESETS", "MASTER_WEIGHT_MODES", "ERROR_FEEDBACK_DTYPES", "ENV_PREFIX", "RECIPE_ENV", "OFF_WORDS", "AUTO_WORDS", "SPEED_ONLY_FIELDS"]
+__all__ = ["QSDPConfig", "PRESETS", "MASTER_WEIGHT_MODES", "ERROR_FEEDBACK_DTYPES", "DEFAULT_ERROR_FEEDBACK_DTYPE", "ENV_PREFIX", "RECIPE_ENV", "OFF_WORDS", "AUTO_WORDS", "SPEED_ONLY_FIELDS"]
 
 ENV_PREFIX = "QACCEL_QSDP_"
 RECIPE_ENV = DEPRECATED_CONFIG_FILE_ENV  # deprecated name of qaccel._settings.CONFIG_FILE_ENV
@@ -41,6 +41,8 @@ _WORD_FIELDS = ("rounding", "master_weights", "weight_rotation", "grad_rotation"
 _BOOL_FIELDS = ("prefetch", "overlap_reduce_scatter")
 # Stores of the gradient error-feedback buffer (grad_error_feedback), or off.
 ERROR_FEEDBACK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The store that grad_error_feedback=True (or true/on/yes/1) means: full precision, as docs/qsdp.md's figures.
+DEFAULT_ERROR_FEEDBACK_DTYPE = "float32"
 # Settings that change how fast a step runs but not one bit of its results: a resume may change them.
 SPEED_ONLY_FIELDS = ("prefetch", "overlap_reduce_scatter")
 
@@ -137,10 +139,11 @@ class QSDPConfig(SettingsMixin):
             Bytes on the wire do not change. Not with ``master_weights="quantized"``.
         grad_rotation: the same for the gradient reduce-scatter. The all-reduce across replicas of
             hierarchical QSDP is not rotated.
-        grad_error_feedback: ``None`` (off, default; also ``off``/``none``/``false``), ``"float32"``
-            or ``"bfloat16"``: each rank keeps what its quantized reduce-scatter left out of the
-            chunks it sent, ``e = (g + e) - Q(g + e)``, and adds it to the next call's gradient before
-            encoding (1-bit Adam's and LoCo's error feedback). Memory: ``(P-1)/P`` of every quantized
+        grad_error_feedback: ``None`` (off, default; also ``False`` and ``off``/``none``/``false``/
+            ``no``/``0``), ``"float32"`` or ``"bfloat16"``, or ``True`` (also ``true``/``on``/``yes``/
+            ``1``), which means ``"float32"`` and is stored as that name: each rank keeps what its
+            quantized reduce-scatter left out of the chunks it sent, ``e = (g + e) - Q(g + e)``, and
+            adds it to the next call's gradient before encoding (1-bit Adam's and LoCo's error feedback). Memory: ``(P-1)/P`` of every quantized
             unit's gradient per rank, in the chosen dtype. Saved in checkpoints; reset (with a
             warning) when a run resumes on another world size. Needs ``grad_bits``.
         prefetch: overlap all-gathers with compute: every unit prefetches its neighbour's
@@ -212,7 +215,7 @@ class QSDPConfig(SettingsMixin):
     grad_error_feedback: str | None = field(
         default=None,
         metadata={"help": "off (default), float32 or bfloat16: carry each rank's gradient rounding error into the next "
-                          "reduce-scatter, stored in this dtype ((P-1)/P of the quantized gradients per rank)"},
+                          "reduce-scatter, stored in this dtype ((P-1)/P of the quantized gradients per rank); true: float32"},
     )  # fmt: skip
     prefetch: bool = field(
         default=True, metadata={"help": "overlap each unit's all-gather with its neighbour's compute; same results, one more unit in memory (default true)"}
@@ -253,7 +256,8 @@ class QSDPConfig(SettingsMixin):
         if self.grad_error_feedback is not None:
             if self.grad_error_feedback not in ERROR_FEEDBACK_DTYPES:
                 raise ValueError(f"QSDPConfig.grad_error_feedback={self.grad_error_feedback!r}: must be one of "
-                                 f"{', '.join(ERROR_FEEDBACK_DTYPES)}, or off ({_OFF_HELP})")  # fmt: skip
+                                 f"{', '.join(ERROR_FEEDBACK_DTYPES)}, or off ({_OFF_HELP}), or on "
+                                 f"(True or 'true'/'on'/'yes'/'1': {DEFAULT_ERROR_FEEDBACK_DTYPE})")  # fmt: skip
             if self.grad_bits is None:
                 raise ValueError("QSDPConfig.grad_error_feedback: needs grad_bits in [2, 8]; got grad_bits=None (off), "
                                  "whose exact reduce-scatter has no error to feed back")  # fmt: skip
@@ -346,12 +350,22 @@ def _normalize(name: str, value: Any) -> Any:
     if name in _META_FIELDS:
         return None if text in AUTO_WORDS else (text if text is not None else value)
     if name == "grad_error_feedback":
-        return None if value is None or value is False or text in OFF_WORDS else (text if text is not None else value)
+        return _error_feedback_dtype(value, text)
     if name in _INT_FIELDS:
         return _int_from_text(value, text, 0)
     if name in _WORD_FIELDS and text is not None:
         return text
     return value
+
+
+def _error_feedback_dtype(value: Any, text: str | None) -> Any:
+    """grad_error_feedback: off (``None``), a dtype name, or a truth value, whose "on" is the default store."""
+    if value is None or (type(value) is int and value == 32) or text in OFF_WORDS:
+        return None
+    # True, 1 and the truth words read as every on/off field reads them (parse_bool); a dtype name is no truth word
+    if isinstance(value, bool) or (type(value) is int and value in (0, 1)) or text in BOOL_WORDS:
+        return DEFAULT_ERROR_FEEDBACK_DTYPE if parse_bool(value, key="QSDPConfig.grad_error_feedback") else None
+    return text if text is not None else value
 
 
 def _int_from_text(value: Any, text: str | None, base: int) -> Any:

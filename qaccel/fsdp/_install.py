@@ -269,14 +269,17 @@ def _unit_plans(unit: FSDPUnit, config: QSDPConfig) -> tuple[UnitPlan, UnitPlan]
     install still meets that fallback (with its warning) rather than a wrong map.
     """
     shapes, shard_numels = [p.shape for p in unit.params], unit.shard_numels()
-    build = lambda keep: UnitPlan.build(  # noqa: E731
-        unit.index,
-        unit.name,
-        [s for s, k in zip(shapes, keep, strict=True) if k],
-        [n for n, k in zip(shard_numels, keep, strict=True) if k],
-        param_min_numel=config.param_min_numel,
-        unit_min_numel=config.unit_min_numel,
-    )
+
+    def build(keep: list[bool]) -> UnitPlan:
+        return UnitPlan.build(
+            unit.index,
+            unit.name,
+            [s for s, k in zip(shapes, keep, strict=True) if k],
+            [n for n, k in zip(shard_numels, keep, strict=True) if k],
+            param_min_numel=config.param_min_numel,
+            unit_min_numel=config.unit_min_numel,
+        )
+
     plan = build([True] * len(shapes))
     trainable = unit.trainable()
     return plan, plan if all(trainable) else build(trainable)

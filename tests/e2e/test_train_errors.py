@@ -89,7 +89,7 @@ EXPECTED = {
     "qsdp_unknown_flag": ("UsageError", ["unrecognized arguments: --qsdp_bits 4"]),
     "zoadam_schedule": ("ValueError", ["var_freeze_step", "-1"]),
     "zoadam_unsupported_value": ("NotImplementedError", ["ZeroOneAdamConfig.amsgrad=True: must be False"]),
-    "zero_one_adam_under_fsdp_launch": ("ValueError", ["runs on HSDP shards", "dp_replicate_size >= 2", "cpu_2x2_hqsdp.yaml", "cpu_2proc_ddp.yaml"]),
+    "zero_one_adam_under_fsdp_launch": ("ValueError", ["runs on HSDP shards", "dp_replicate_size >= 2", "--launch_config cpu_2x2_hqsdp", "cpu_2proc_ddp"]),
     "deepspeed_launch": ("ValueError", ["DeepSpeed", "cpu_2proc_qsdp.yaml"]),
     "resume_missing_folder": ("CheckpointError", ["gone: no such directory"]),
     "resume_not_a_checkpoint": ("CheckpointError", ["no manifest.json", "not a complete qaccel checkpoint"]),
@@ -173,8 +173,10 @@ def test_qaccel_debug_keeps_the_traceback_for_bad_input(tmp_path):
 
 
 def test_qaccel_train_checks_before_it_launches_anything(tmp_path):
-    # a 1-bit optimizer with the recipe's 1-D FSDP launch config: refused in the CLI process, exit 2, one line
-    cmd = [sys.executable, "-m", "qaccel.cli", "train", "--recipe", "gpt2-tiny", "--method", "zero_one_adam", "--output_dir", str(tmp_path / "out")]
+    # a 1-bit optimizer with an explicit 1-D FSDP launch config (without one, qaccel train picks the DDP twin of the
+    # recipe's config): refused in the CLI process, exit 2, one line
+    cmd = [sys.executable, "-m", "qaccel.cli", "train", "--recipe", "gpt2-tiny", "--method", "zero_one_adam", "--launch_config", "cpu_2proc_qsdp",
+           "--output_dir", str(tmp_path / "out")]  # fmt: skip
     proc = _launch(cmd, tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1, proc.stderr

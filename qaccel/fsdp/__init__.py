@@ -12,7 +12,7 @@ from ._replica import (
     is_inter_node,
 )
 from ._seeds import SeedSchedule
-from ._units import FSDPUnit, check_replica_group, find_units, padded_shard_numel
+from ._units import AllReduceHook, FSDPUnit, HookOwner, check_replica_group, find_units, padded_shard_numel
 from .config import QSDPConfig
 
 __all__ = [
@@ -26,6 +26,8 @@ __all__ = [
     "SeedSchedule",
     "UnitPlan",
     "FSDPUnit",
+    "AllReduceHook",
+    "HookOwner",
     "find_units",
     "check_replica_group",
     "padded_shard_numel",

@@ -31,7 +31,7 @@ from ._prefetch import apply_prefetch
 from ._replica import ReplicaAllReduce
 from ._rs_overlap import ReduceScatterOverlap
 from ._seeds import SeedSchedule
-from ._units import FSDPUnit, check_replica_group, find_units, require_custom_comms
+from ._units import FSDPUnit, HookOwner, check_replica_group, find_units, require_custom_comms
 from .config import QSDPConfig
 
 __all__ = ["QSDPHandle", "install_qsdp"]
@@ -292,13 +292,17 @@ def _check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup
     """
     if replica_group is None or dist.get_world_size(replica_group) == 1:
         return 1  # 1-D QSDP leaves the all-reduce hook alone (a sharded 1-bit optimizer may own it)
-    foreign = [(unit.name, unit.all_reduce_hook) for unit in units if unit.all_reduce_hook not in (None, "ReplicaAllReduce")]
+    foreign = [
+        (unit.name, unit.all_reduce_hook, unit.all_reduce_hook_owner)
+        for unit in units
+        if unit.all_reduce_hook_owner not in (None, HookOwner.HIERARCHICAL_QSDP)
+    ]
     if foreign:
-        name, hook = foreign[0]
+        name, hook, owner = foreign[0]
         advice = (
             "A sharded 1-bit optimizer (register_hsdp_comm_hook) already owns the traffic across replicas: install "
             "QSDP without replica_group"
-            if hook == "OneBitReplicaHook"
+            if owner is HookOwner.ONEBIT_OPTIMIZER
             else "Remove it"
         )
         raise ValueError(

@@ -36,6 +36,7 @@ from ..comm import (
 )
 from ._comms import UnitPlan, _UnitComm
 from ._seeds import Direction, SeedSchedule
+from ._units import AllReduceHook, HookOwner
 
 __all__ = [
     "ReplicaAllReduce",
@@ -148,7 +149,7 @@ class ReplicaChunking:
                 shard[p.offset + full * p.piece : p.offset + p.numel].copy_(columns[full, :rest])
 
 
-class ReplicaAllReduce(_UnitComm):
+class ReplicaAllReduce(_UnitComm, AllReduceHook):
     """``FSDPModule.set_all_reduce_hook`` callable: sums a unit's gradient shard over the replica group in place.
 
     Args:
@@ -162,6 +163,8 @@ class ReplicaAllReduce(_UnitComm):
         owner: this rank's index among all ranks of the model (``replica * S + shard rank``).
         buffers: the model's buffer pool for the staging blobs.
     """
+
+    hook_owner = HookOwner.HIERARCHICAL_QSDP
 
     def __init__(
         self,

@@ -16,8 +16,10 @@ uses uniform buckets.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,29 @@ from torch.distributed.tensor import DTensor
 
 from .. import _torch_internals as torch_internals
 
-__all__ = ["FSDPUnit", "find_units", "check_replica_group", "padded_shard_numel", "require_custom_comms"]
+__all__ = [
+    "AllReduceHook",
+    "FSDPUnit",
+    "HookOwner",
+    "find_units",
+    "check_replica_group",
+    "padded_shard_numel",
+    "require_custom_comms",
+]
+
+
+class HookOwner(enum.Enum):
+    """Who installed a unit's ``set_all_reduce_hook`` callable: FSDP2 keeps one per unit, so two owners cannot share it."""
+
+    HIERARCHICAL_QSDP = "hierarchical QSDP's replica all-reduce"
+    ONEBIT_OPTIMIZER = "a sharded 1-bit optimizer"
+    OTHER = "a hook qaccel did not install"
+
+
+class AllReduceHook:
+    """Base of qaccel's all-reduce hooks: ``hook_owner`` says which feature installed it (identity by type, not by name)."""
+
+    hook_owner: ClassVar[HookOwner]
 
 
 def require_custom_comms() -> None:
@@ -65,9 +89,9 @@ class FSDPUnit:
         custom_extension: names of parameters whose local tensor defines ``fsdp_pre_all_gather``
             (tensor-subclass all-gather extensions: the all-gather input is not the shard).
         param_names: qualified names of ``params`` in the model, for messages.
-        all_reduce_hook: the type name of the hook installed with ``FSDPModule.set_all_reduce_hook``
-            (``ReplicaAllReduce``: hierarchical QSDP's; ``OneBitReplicaHook``: a sharded 1-bit
-            optimizer's), or None.
+        all_reduce_hook: the type name of the hook installed with ``FSDPModule.set_all_reduce_hook``,
+            for messages, or None.
+        all_reduce_hook_owner: who installed that hook (:class:`HookOwner`), or None without one.
         gradient_divide_factor: the factor set with ``set_gradient_divide_factor``, or None.
     """
 
@@ -81,6 +105,7 @@ class FSDPUnit:
     custom_extension: tuple[str, ...] = ()
     param_names: tuple[str, ...] = ()
     all_reduce_hook: str | None = None
+    all_reduce_hook_owner: HookOwner | None = None
     gradient_divide_factor: float | None = None
 
     def shard_numels(self) -> list[int]:
@@ -162,6 +187,7 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
                         "or symmetric-memory comms"
                     )
         world_size = next(iter(meshes)).size() if meshes else 1
+        hook = _all_reduce_hook(groups)
         unit = FSDPUnit(
             index=len(units),
             modules=(module,),
@@ -172,7 +198,8 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
             reshard_after_forward_size=_reshard_after_forward_size(groups),
             custom_extension=_custom_extension_params(groups, names),
             param_names=tuple(names.get(id(param), "?") for param in params),
-            all_reduce_hook=_all_reduce_hook(groups),
+            all_reduce_hook=None if hook is None else type(hook).__name__,
+            all_reduce_hook_owner=_owner(hook),
             gradient_divide_factor=next((f for f in map(torch_internals.group_gradient_divide_factor, groups) if f is not None), None),
         )
         units.append(unit)
@@ -208,12 +235,18 @@ def check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup,
     return replicas
 
 
-def _all_reduce_hook(groups: list) -> str | None:
+def _all_reduce_hook(groups: list) -> object | None:
     for group in groups:
         hook = torch_internals.group_all_reduce_hook(group)
         if hook is not None:
-            return type(hook).__name__
+            return hook
     return None
+
+
+def _owner(hook: object | None) -> HookOwner | None:
+    if hook is None:
+        return None
+    return hook.hook_owner if isinstance(hook, AllReduceHook) else HookOwner.OTHER
 
 
 def _all_gather_dtypes(groups: list) -> tuple[torch.dtype, ...]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import WireMeter, ring_all_reduce_bytes
-from ..fsdp import KIND_REPLICA_AR, check_replica_group, find_units
+from ..fsdp import KIND_REPLICA_AR, AllReduceHook, HookOwner, check_replica_group, find_units
 from ._base import OneBitOptimizerBase
 from ._schedule import CommPlan
 from ._units import is_sharded
@@ -32,7 +32,7 @@ from ._units import is_sharded
 __all__ = ["OneBitReplicaHook", "register_hsdp_comm_hook"]
 
 
-class OneBitReplicaHook:
+class OneBitReplicaHook(AllReduceHook):
     """``FSDPModule.set_all_reduce_hook`` callable: average a gradient shard across replicas on FULL steps only.
 
     Args:
@@ -40,6 +40,8 @@ class OneBitReplicaHook:
         group: the replica process group.
         meter: where the full-precision all-reduce is recorded (kind ``hsdp.replica_all_reduce``).
     """
+
+    hook_owner = HookOwner.ONEBIT_OPTIMIZER
 
     def __init__(self, plan: CommPlan, group: dist.ProcessGroup, meter: WireMeter) -> None:
         self.plan = plan
@@ -113,14 +115,16 @@ def register_hsdp_comm_hook(
             f"register_hsdp_comm_hook: {type(model).__name__} has no FSDP2 unit; call fully_shard on the intra-node mesh first"
         )
     taken = [
-        (unit.name, unit.all_reduce_hook) for unit in units if unit.all_reduce_hook not in (None, "OneBitReplicaHook")
+        (unit.name, unit.all_reduce_hook, unit.all_reduce_hook_owner)
+        for unit in units
+        if unit.all_reduce_hook_owner not in (None, HookOwner.ONEBIT_OPTIMIZER)
     ]
     if taken:
-        name, hook = taken[0]
+        name, hook, owner = taken[0]
         advice = (
             "hierarchical QSDP's replica all-reduce is installed: with a 1-bit optimizer, install QSDP without "
             "replica_group (the optimizer owns the traffic across replicas)"
-            if hook == "ReplicaAllReduce"
+            if owner is HookOwner.HIERARCHICAL_QSDP
             else "remove it"
         )
         raise ValueError(f"register_hsdp_comm_hook: FSDP unit {name} already has an all-reduce hook ({hook}); {advice}")

@@ -6,11 +6,14 @@ environment variables, then the ``qsdp`` section of a config file (``QACCEL_CONF
 ``method.qsdp``), then the defaults below. Only the classmethods read the environment or files,
 through the one settings reader, :mod:`qaccel._settings`.
 
-Every source goes through the same normalisation in ``__post_init__``, so a value means the same
-thing wherever it is written: ``off`` / ``none`` / ``false`` / ``32`` (any case), ``None``, ``False``
-and the int ``32`` all switch a path off; ``auto`` / ``none`` / ``""`` and ``None`` pick the per-bit
-default of a bucket size or metadata dtype; numbers may be given as decimal strings (an environment
-variable is always a string, and a quoted YAML value is one too).
+Every field declares its reader (:mod:`qaccel._settings`: ``IntSetting``, ``ChoiceSetting``, ...),
+which reads the value where it enters (keyword, environment, file or dict), so a value means the
+same thing wherever it is written and no field changes after ``__init__``: ``off`` / ``none`` /
+``false`` / ``32`` (any case), ``None``, ``False`` and the int ``32`` all switch a path off;
+``auto`` / ``none`` / ``""`` and ``None`` pick the per-bit default of a bucket size or metadata
+dtype; numbers may be given as decimal strings (an environment variable is always a string, and a
+quoted YAML value is one too). The three quantized paths, each a :class:`PathSettings`, are
+properties (:attr:`QSDPConfig.weight_path`, ``grad_path``, ``replica_path``) over the flat fields.
 """
 
 from __future__ import annotations
@@ -20,31 +23,45 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._settings import BOOL_WORDS, DEPRECATED_CONFIG_FILE_ENV, SettingsMixin, parse_bool
+from .._settings import (
+    AUTO,
+    AUTO_WORDS,
+    DEPRECATED_CONFIG_FILE_ENV,
+    OFF,
+    OFF_WORDS,
+    READER,
+    ChoiceSetting,
+    IntSetting,
+    SettingError,
+    SettingsMixin,
+    TruthSetting,
+    settings_dataclass,
+)
 from ..comm import WireCodec
 from ..quant import META_DTYPES, ROTATIONS, ROUNDINGS
 
-__all__ = ["QSDPConfig", "PRESETS", "MASTER_WEIGHT_MODES", "ERROR_FEEDBACK_DTYPES", "DEFAULT_ERROR_FEEDBACK_DTYPE", "ENV_PREFIX", "RECIPE_ENV", "OFF_WORDS", "AUTO_WORDS", "SPEED_ONLY_FIELDS"]
+__all__ = ["QSDPConfig", "PathSettings", "PRESETS", "MASTER_WEIGHT_MODES", "ERROR_FEEDBACK_DTYPES", "DEFAULT_ERROR_FEEDBACK_DTYPE", "ENV_PREFIX", "RECIPE_ENV", "OFF_WORDS", "AUTO_WORDS", "SPEED_ONLY_FIELDS"]
 
 ENV_PREFIX = "QACCEL_QSDP_"
 RECIPE_ENV = DEPRECATED_CONFIG_FILE_ENV  # deprecated name of qaccel._settings.CONFIG_FILE_ENV
 MASTER_WEIGHT_MODES = ("fresh", "quantized")
-# Spellings of "this path is off" (bits fields) and "per-bit default" (bucket size, meta dtype),
-# compared after strip() and lower(); the same set is accepted from code, environment and recipes.
-OFF_WORDS = ("off", "none", "false", "32")
-AUTO_WORDS = ("auto", "none", "")
-_BITS_FIELDS = ("weight_bits", "grad_bits", "replica_grad_bits")
-_BUCKET_FIELDS = ("weight_bucket_size", "grad_bucket_size")
-_META_FIELDS = ("weight_meta_dtype", "grad_meta_dtype")
-_INT_FIELDS = ("seed", "param_min_numel", "unit_min_numel")
-_WORD_FIELDS = ("rounding", "master_weights", "weight_rotation", "grad_rotation")
-_BOOL_FIELDS = ("prefetch", "overlap_reduce_scatter")
+# OFF_WORDS ("this path is off": bit widths) and AUTO_WORDS ("per-bit default": bucket size, meta
+# dtype) are the settings core's (qaccel._settings), re-exported here under their old names.
+
 # Stores of the gradient error-feedback buffer (grad_error_feedback), or off.
 ERROR_FEEDBACK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The store that grad_error_feedback=True (or true/on/yes/1) means: full precision, as docs/qsdp.md's figures.
 DEFAULT_ERROR_FEEDBACK_DTYPE = "float32"
 # Settings that change how fast a step runs but not one bit of its results: a resume may change them.
 SPEED_ONLY_FIELDS = ("prefetch", "overlap_reduce_scatter")
+
+# How each field reads its value, from every source (the field readers of qaccel._settings).
+_BITS = IntSetting(2, 8, unset=OFF)
+_BUCKET = IntSetting(1, 1 << 24, unset=AUTO)
+_META = ChoiceSetting(tuple(META_DTYPES), unset=AUTO, unset_help="auto/None (per-bit default)")
+_ROTATION = ChoiceSetting(tuple(ROTATIONS))
+_NUMEL = IntSetting(0, base=0)
+_TRUTH = TruthSetting()
 
 
 #: Named settings for :meth:`QSDPConfig.preset`: the fields they set and what the project measured.
@@ -93,7 +110,43 @@ def default_bucket(bits: int) -> tuple[int, str]:
     return (1024, "float32") if bits >= 8 else (128, "bfloat16")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
+class PathSettings:
+    """How one path quantizes: the all-gather of weights, the reduce-scatter of gradients, or the replica all-reduce.
+
+    :attr:`QSDPConfig.weight_path`, :attr:`~QSDPConfig.grad_path` and :attr:`~QSDPConfig.replica_path`
+    gather a config's flat ``weight_*`` / ``grad_*`` / ``replica_grad_bits`` fields (and the shared
+    ``rounding``) into one of these; :meth:`codec` fills in the per-bit defaults.
+
+    Attributes:
+        bits: bits per element, or ``None`` when the path is off (the stock collective).
+        bucket_size: elements per bucket, or ``None`` for the per-bit default (:func:`default_bucket`).
+        meta_dtype: ``"float32"``, ``"bfloat16"``, or ``None`` for the per-bit default.
+        rotation: ``"none"`` or ``"hadamard"``.
+        rounding: ``"stochastic"`` or ``"nearest"``.
+    """
+
+    bits: int | None
+    bucket_size: int | None = None
+    meta_dtype: str | None = None
+    rotation: str = "none"
+    rounding: str = "stochastic"
+
+    def codec(self) -> WireCodec | None:
+        """The path's quantizer with the per-bit defaults filled in, or ``None`` when the path is off."""
+        if self.bits is None:
+            return None
+        default_size, default_meta = default_bucket(self.bits)
+        return WireCodec(
+            bits=self.bits,
+            bucket_size=self.bucket_size if self.bucket_size is not None else default_size,
+            meta_dtype=META_DTYPES[self.meta_dtype if self.meta_dtype is not None else default_meta],
+            rounding=self.rounding,
+            rotation=self.rotation,
+        )
+
+
+@settings_dataclass
 class QSDPConfig(SettingsMixin):
     """Settings of QSDP (Markov et al., ICML 2023) on FSDP2.
 
@@ -163,108 +216,97 @@ class QSDPConfig(SettingsMixin):
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
     RECIPE_SECTION: ClassVar[str] = "qsdp"
-    # __post_init__ reads every documented text spelling itself (from code too), so the settings
-    # reader hands it environment and flag text unchanged.
-    PARSES_TEXT: ClassVar[bool] = True
     UNKNOWN_ENV: ClassVar[str] = "unknown QSDP setting"
 
     weight_bits: int | None = field(
-        default=8, metadata={"help": "bits per weight on the FSDP2 all-gather: 2..8, or off for the stock collective (default 8)"}
+        default=8,
+        metadata={READER: _BITS, "help": "bits per weight on the FSDP2 all-gather: 2..8, or off for the stock collective (default 8)"},
     )
     grad_bits: int | None = field(
-        default=8, metadata={"help": "bits per gradient on the FSDP2 reduce-scatter: 2..8, or off for the stock collective (default 8)"}
+        default=8,
+        metadata={READER: _BITS, "help": "bits per gradient on the FSDP2 reduce-scatter: 2..8, or off for the stock collective (default 8)"},
     )
     replica_grad_bits: int | None = field(
         default=4,
-        metadata={"help": "hierarchical QSDP (HSDP): bits per gradient of the all-reduce across nodes (replicas): 2..8, or "
+        metadata={READER: _BITS,
+                  "help": "hierarchical QSDP (HSDP): bits per gradient of the all-reduce across nodes (replicas): 2..8, or "
                           "off for an exact fp32 all-reduce (default 4; ignored on a 1-D mesh)"},
     )  # fmt: skip
     weight_bucket_size: int | None = field(
-        default=None, metadata={"help": "elements per weight quantization bucket, >= 1, or auto (1024 at 8 bits, 128 below)"}
+        default=None,
+        metadata={READER: _BUCKET, "help": "elements per weight quantization bucket, >= 1, or auto (1024 at 8 bits, 128 below)"},
     )
     grad_bucket_size: int | None = field(
-        default=None, metadata={"help": "elements per gradient quantization bucket, >= 1, or auto (1024 at 8 bits, 128 below)"}
+        default=None,
+        metadata={READER: _BUCKET, "help": "elements per gradient quantization bucket, >= 1, or auto (1024 at 8 bits, 128 below)"},
     )
     weight_meta_dtype: str | None = field(
-        default=None, metadata={"help": "dtype of the weight buckets' lo/scale: float32, bfloat16, or auto (fp32 at 8 bits, bf16 below)"}
+        default=None,
+        metadata={READER: _META, "help": "dtype of the weight buckets' lo/scale: float32, bfloat16, or auto (fp32 at 8 bits, bf16 below)"},
     )
     grad_meta_dtype: str | None = field(
-        default=None, metadata={"help": "dtype of the gradient buckets' lo/scale: float32, bfloat16, or auto (fp32 at 8 bits, bf16 below)"}
+        default=None,
+        metadata={READER: _META, "help": "dtype of the gradient buckets' lo/scale: float32, bfloat16, or auto (fp32 at 8 bits, bf16 below)"},
     )
     rounding: str = field(
-        default="stochastic", metadata={"help": "stochastic (unbiased, the paper's quantizer; default) or nearest (half the error, biased)"}
+        default="stochastic",
+        metadata={READER: ChoiceSetting(tuple(ROUNDINGS)),
+                  "help": "stochastic (unbiased, the paper's quantizer; default) or nearest (half the error, biased)"},
+    )  # fmt: skip
+    seed: int = field(
+        default=0, metadata={READER: IntSetting(0, (1 << 64) - 1, base=0), "help": "unsigned 64-bit seed of the quantization noise (default 0)"}
     )
-    seed: int = field(default=0, metadata={"help": "unsigned 64-bit seed of the quantization noise (default 0)"})
     master_weights: str = field(
         default="fresh",
-        metadata={"help": "fresh: quantize the full-precision shard before every all-gather (default); quantized: "
+        metadata={READER: ChoiceSetting(MASTER_WEIGHT_MODES),
+                  "help": "fresh: quantize the full-precision shard before every all-gather (default); quantized: "
                           "round the shard itself after every step (the paper's iteration; needs weight_bits)"},
     )  # fmt: skip
     param_min_numel: int = field(
-        default=1024, metadata={"help": "parameters that are 1-D or smaller than this travel unquantized (default 1024)"}
+        default=1024, metadata={READER: _NUMEL, "help": "parameters that are 1-D or smaller than this travel unquantized (default 1024)"}
     )
     unit_min_numel: int = field(
-        default=4096, metadata={"help": "FSDP units whose padded shard is smaller keep the stock collectives; 0 quantizes all (default 4096)"}
+        default=4096,
+        metadata={READER: _NUMEL, "help": "FSDP units whose padded shard is smaller keep the stock collectives; 0 quantizes all (default 4096)"},
     )
     weight_rotation: str = field(
-        default="none", metadata={"help": "none (default) or hadamard: rotate weight buckets by a randomized Hadamard transform before quantizing"}
+        default="none",
+        metadata={READER: _ROTATION, "help": "none (default) or hadamard: rotate weight buckets by a randomized Hadamard transform before quantizing"},
     )
     grad_rotation: str = field(
-        default="none", metadata={"help": "none (default) or hadamard: rotate gradient buckets by a randomized Hadamard transform before quantizing"}
+        default="none",
+        metadata={READER: _ROTATION, "help": "none (default) or hadamard: rotate gradient buckets by a randomized Hadamard transform before quantizing"},
     )
     grad_error_feedback: str | None = field(
         default=None,
-        metadata={"help": "off (default), float32 or bfloat16: carry each rank's gradient rounding error into the next "
+        metadata={READER: ChoiceSetting(tuple(ERROR_FEEDBACK_DTYPES), on=DEFAULT_ERROR_FEEDBACK_DTYPE),
+                  "help": "off (default), float32 or bfloat16: carry each rank's gradient rounding error into the next "
                           "reduce-scatter, stored in this dtype ((P-1)/P of the quantized gradients per rank); true: float32"},
     )  # fmt: skip
     prefetch: bool = field(
-        default=True, metadata={"help": "overlap each unit's all-gather with its neighbour's compute; same results, one more unit in memory (default true)"}
+        default=True,
+        metadata={READER: _TRUTH, "help": "overlap each unit's all-gather with its neighbour's compute; same results, one more unit in memory (default true)"},
     )
     overlap_reduce_scatter: bool = field(
         default=True,
-        metadata={"help": "overlap each unit's reduce-scatter with the rest of backward on CPU (gloo); same gradients, bit for bit "
+        metadata={READER: _TRUTH,
+                  "help": "overlap each unit's reduce-scatter with the rest of backward on CPU (gloo); same gradients, bit for bit "
                           "(default true)"},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        # One normalisation for every source (code, environment, recipe): see the module docstring.
-        for f in fields(self):
-            object.__setattr__(self, f.name, _normalize(f.name, getattr(self, f.name)))
-        for name in _BITS_FIELDS:
-            _check_int(name, getattr(self, name), 2, 8, allow_none=True, none_means=_OFF_HELP)
-        for name in _BUCKET_FIELDS:
-            _check_int(name, getattr(self, name), 1, 1 << 24, allow_none=True, none_means="auto: the per-bit default")
-        for name in _META_FIELDS:
-            value = getattr(self, name)
-            if value is not None and value not in META_DTYPES:
-                raise ValueError(f"QSDPConfig.{name}={value!r}: must be one of {', '.join(META_DTYPES)} or auto/None (per-bit default)")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"QSDPConfig.rounding={self.rounding!r}: must be one of {', '.join(ROUNDINGS)}")
-        _check_int("seed", self.seed, 0, (1 << 64) - 1)
-        if self.master_weights not in MASTER_WEIGHT_MODES:
-            raise ValueError(f"QSDPConfig.master_weights={self.master_weights!r}: must be one of {', '.join(MASTER_WEIGHT_MODES)}")
+        # Each field was read by its reader on the way in (settings_dataclass); what is left are the
+        # rules across fields.
         if self.master_weights == "quantized" and self.weight_bits is None:
-            raise ValueError("QSDPConfig.master_weights='quantized': requires weight_bits in [2, 8], got weight_bits=None (off)")
-        for name in ("weight_rotation", "grad_rotation"):
-            if getattr(self, name) not in ROTATIONS:
-                raise ValueError(f"QSDPConfig.{name}={getattr(self, name)!r}: must be one of {', '.join(ROTATIONS)}")
+            raise SettingError("master_weights", "quantized", "requires weight_bits in [2, 8], got weight_bits=None (off)", owner="QSDPConfig")
         if self.master_weights == "quantized" and self.weight_rotation != "none":
-            raise ValueError(
-                f"QSDPConfig.master_weights='quantized' with weight_rotation={self.weight_rotation!r}: the quantized master "
-                "iteration keeps shards on the unrotated grid; use master_weights='fresh' or weight_rotation='none'"
-            )
-        if self.grad_error_feedback is not None:
-            if self.grad_error_feedback not in ERROR_FEEDBACK_DTYPES:
-                raise ValueError(f"QSDPConfig.grad_error_feedback={self.grad_error_feedback!r}: must be one of "
-                                 f"{', '.join(ERROR_FEEDBACK_DTYPES)}, or off ({_OFF_HELP}), or on "
-                                 f"(True or 'true'/'on'/'yes'/'1': {DEFAULT_ERROR_FEEDBACK_DTYPE})")  # fmt: skip
-            if self.grad_bits is None:
-                raise ValueError("QSDPConfig.grad_error_feedback: needs grad_bits in [2, 8]; got grad_bits=None (off), "
-                                 "whose exact reduce-scatter has no error to feed back")  # fmt: skip
-        _check_int("param_min_numel", self.param_min_numel, 0)
-        _check_int("unit_min_numel", self.unit_min_numel, 0)
-        for name in _BOOL_FIELDS:
-            object.__setattr__(self, name, parse_bool(getattr(self, name), key=f"QSDPConfig.{name}"))
+            raise SettingError(
+                "master_weights", "quantized", "the quantized master iteration keeps shards on the unrotated grid; use "
+                "master_weights='fresh' or weight_rotation='none'", owner="QSDPConfig", together_with=f"weight_rotation={self.weight_rotation!r}",
+            )  # fmt: skip
+        if self.grad_error_feedback is not None and self.grad_bits is None:
+            raise SettingError("grad_error_feedback", allowed="needs grad_bits in [2, 8]; got grad_bits=None (off), whose exact "
+                               "reduce-scatter has no error to feed back", owner="QSDPConfig")  # fmt: skip
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> QSDPConfig:
@@ -290,14 +332,29 @@ class QSDPConfig(SettingsMixin):
             if f.name not in SPEED_ONLY_FIELDS and getattr(self, f.name) != getattr(other, f.name)
         }
 
-    # -- resolved codecs ---------------------------------------------------------------------
+    # -- the three quantized paths -----------------------------------------------------------
+    @property
+    def weight_path(self) -> PathSettings:
+        """The all-gather of weights: ``weight_bits``, ``weight_bucket_size``, ``weight_meta_dtype``, ``weight_rotation``."""
+        return PathSettings(self.weight_bits, self.weight_bucket_size, self.weight_meta_dtype, self.weight_rotation, self.rounding)
+
+    @property
+    def grad_path(self) -> PathSettings:
+        """The reduce-scatter of gradients: ``grad_bits``, ``grad_bucket_size``, ``grad_meta_dtype``, ``grad_rotation``."""
+        return PathSettings(self.grad_bits, self.grad_bucket_size, self.grad_meta_dtype, self.grad_rotation, self.rounding)
+
+    @property
+    def replica_path(self) -> PathSettings:
+        """The all-reduce across replicas (hierarchical QSDP): ``replica_grad_bits``, per-bit buckets, not rotated."""
+        return PathSettings(self.replica_grad_bits, rounding=self.rounding)
+
     def weight_codec(self) -> WireCodec | None:
         """The all-gather quantizer with per-bit defaults filled in, or ``None`` when off."""
-        return _codec(self.weight_bits, self.weight_bucket_size, self.weight_meta_dtype, self.rounding, self.weight_rotation)
+        return self.weight_path.codec()
 
     def grad_codec(self) -> WireCodec | None:
         """The reduce-scatter quantizer with per-bit defaults filled in, or ``None`` when off."""
-        return _codec(self.grad_bits, self.grad_bucket_size, self.grad_meta_dtype, self.rounding, self.grad_rotation)
+        return self.grad_path.codec()
 
     def error_feedback_dtype(self) -> torch.dtype | None:
         """The dtype of the gradient error-feedback store, or ``None`` when error feedback is off."""
@@ -305,74 +362,4 @@ class QSDPConfig(SettingsMixin):
 
     def replica_grad_codec(self) -> WireCodec | None:
         """The quantizer of the all-reduce across replicas (per-bit bucket defaults), or ``None`` when off."""
-        return _codec(self.replica_grad_bits, None, None, self.rounding)
-
-
-def _codec(bits: int | None, bucket: int | None, meta: str | None, rounding: str, rotation: str = "none") -> WireCodec | None:
-    if bits is None:
-        return None
-    default_size, default_meta = default_bucket(bits)
-    return WireCodec(
-        bits=bits,
-        bucket_size=bucket if bucket is not None else default_size,
-        meta_dtype=META_DTYPES[meta if meta is not None else default_meta],
-        rounding=rounding,
-        rotation=rotation,
-    )
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None, *, allow_none: bool = False, none_means: str = "") -> None:
-    if value is None and allow_none:
-        return
-    allowed = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
-    if allow_none:
-        allowed += f", or {none_means}"
-    if isinstance(value, str):  # a string is an accepted type, but this one is no number or keyword
-        raise ValueError(f"QSDPConfig.{name}={value!r}: must be {allowed}")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"QSDPConfig.{name}={value!r}: must be {allowed}")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"QSDPConfig.{name}={value}: must be {allowed}")
-
-
-_OFF_HELP = "off: None, False, 32 or 'off'/'none'/'false'/'32'"
-
-
-def _normalize(name: str, value: Any) -> Any:
-    """Map every accepted spelling of a field's value to its canonical form; leave the rest for the checks."""
-    text = value.strip().lower() if isinstance(value, str) else None
-    if name in _BITS_FIELDS:
-        if value is None or value is False or (type(value) is int and value == 32) or text in OFF_WORDS:
-            return None
-        return _int_from_text(value, text, 10)
-    if name in _BUCKET_FIELDS:
-        return None if text in AUTO_WORDS else _int_from_text(value, text, 10)
-    if name in _META_FIELDS:
-        return None if text in AUTO_WORDS else (text if text is not None else value)
-    if name == "grad_error_feedback":
-        return _error_feedback_dtype(value, text)
-    if name in _INT_FIELDS:
-        return _int_from_text(value, text, 0)
-    if name in _WORD_FIELDS and text is not None:
-        return text
-    return value
-
-
-def _error_feedback_dtype(value: Any, text: str | None) -> Any:
-    """grad_error_feedback: off (``None``), a dtype name, or a truth value, whose "on" is the default store."""
-    if value is None or (type(value) is int and value == 32) or text in OFF_WORDS:
-        return None
-    # True, 1 and the truth words read as every on/off field reads them (parse_bool); a dtype name is no truth word
-    if isinstance(value, bool) or (type(value) is int and value in (0, 1)) or text in BOOL_WORDS:
-        return DEFAULT_ERROR_FEEDBACK_DTYPE if parse_bool(value, key="QSDPConfig.grad_error_feedback") else None
-    return text if text is not None else value
-
-
-def _int_from_text(value: Any, text: str | None, base: int) -> Any:
-    """A string holding an integer becomes that int; anything else is returned for the checks to refuse."""
-    if text is None:
-        return value
-    try:
-        return int(text, base)
-    except ValueError:
-        return value
+        return self.replica_path.codec()

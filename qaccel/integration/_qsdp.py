@@ -1,4 +1,7 @@
-"""QSDP wiring into Accelerate: ``QSDPPlugin`` and the hooks ``qaccel.Accelerator`` calls.
+"""QSDP wiring into Accelerate: the hooks ``qaccel.Accelerator`` calls around ``__init__`` and ``prepare``.
+
+The plugin is :mod:`._qsdp_plugin`'s ``QSDPPlugin``, the auto-wrap plan :mod:`._fsdp2_auto_wrap`'s
+and the checkpoint part :mod:`._qsdp_state`'s; all are re-exported here, where callers import them.
 
 Order (``docs/qsdp.md``, "Accelerate"):
 
@@ -25,11 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import logging
 import os
-from dataclasses import KW_ONLY, InitVar, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,131 +38,38 @@ from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 from .._settings import env_flag
-from ..checkpoint import QSDP_STATE_FILE, atomic_open, atomic_write_json, qsdp_error_rank_path, read_json
-from ..fsdp import QSDPConfig, QSDPHandle, install_qsdp
+from ..fsdp import QSDPHandle, install_qsdp
 from ..optim import OneBitOptimizerBase
 from ._accelerate_internals import (
     REPLICATE_DIM,
     defer_parallelism_check,
-    fsdp2_carved_out_modules,
     fsdp2_shards_within_nodes,
     run_deferred_parallelism_check,
 )
+from ._fsdp2_auto_wrap import plan_auto_wrap
+from ._qsdp_plugin import QSDP_KEYWORDS, QSDPPlugin
+from ._qsdp_state import read_qsdp_state, write_qsdp_state
 from .cpu_fsdp import enable_fsdp2_on_cpu
 
-__all__ = ["QSDPPlugin", "before_init", "after_init", "plan_auto_wrap", "before_prepare", "preparing", "after_prepare", "is_hierarchical"]
+__all__ = [
+    "QSDPPlugin",
+    "QSDP_KEYWORDS",
+    "before_init",
+    "after_init",
+    "plan_auto_wrap",
+    "before_prepare",
+    "preparing",
+    "after_prepare",
+    "is_hierarchical",
+    "write_qsdp_state",
+    "read_qsdp_state",
+]
 
 logger = logging.getLogger(__name__)
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class _NotGiven:
-    """Default of the QSDP keyword shortcuts: tells "not given" apart from ``None`` ("off")."""
-
-    def __repr__(self) -> str:
-        return "<not given>"
-
-
-_NOT_GIVEN: Any = _NotGiven()
-# The keyword shortcuts of QSDPPlugin, in the order of its InitVars below (a unit test checks
-# that they are exactly QSDPConfig's fields, in this order).
-QSDP_KEYWORDS = (
-    "weight_bits",
-    "grad_bits",
-    "replica_grad_bits",
-    "weight_bucket_size",
-    "grad_bucket_size",
-    "weight_meta_dtype",
-    "grad_meta_dtype",
-    "rounding",
-    "seed",
-    "master_weights",
-    "param_min_numel",
-    "unit_min_numel",
-    "weight_rotation",
-    "grad_rotation",
-    "grad_error_feedback",
-    "prefetch",
-    "overlap_reduce_scatter",
-)
-
-
-@dataclass
-class QSDPPlugin(FullyShardedDataParallelPlugin):
-    """Accelerate's FSDP2 plugin plus a :class:`qaccel.QSDPConfig`, as a dataclass like Accelerate's own.
-
-    ``qsdp_config`` is a real field, so ``repr``, ``dataclasses.fields`` and
-    ``dataclasses.replace`` keep it. The QSDP settings may be given as a ready ``qsdp_config`` or
-    as keywords named after ``QSDPConfig`` fields (``weight_bits=4``, ...); keywords not given come
-    from ``QACCEL_QSDP_*`` variables, then the ``qsdp`` section of the config file (``recipe`` or
-    ``QACCEL_CONFIG_FILE``), then the defaults, and ``__post_init__`` turns them into ``qsdp_config``.
-    All other fields are ``FullyShardedDataParallelPlugin``'s (auto-wrap, ``reshard_after_forward``,
-    mixed precision, state-dict type, ...), which still read Accelerate's ``FSDP_*`` variables.
-    ``fsdp_version`` defaults to 2 (``FSDP_VERSION`` if set); anything else is refused.
-
-    Args:
-        qsdp_config: a ready config (then no QSDP keyword and no recipe may be given).
-        recipe: a YAML/JSON config file with a ``qsdp`` section, or a zoo recipe such as
-            ``model_cards/gpt2-tiny.md`` (its ``method.qsdp``).
-        weight_bits, grad_bits, ...: ``QSDPConfig`` fields (init-only).
-
-    Raises:
-        NotImplementedError: ``fsdp_version`` (or ``FSDP_VERSION``) is not 2.
-        ValueError: a bad QSDP value (naming the key, the value and where it came from), or both
-            ``qsdp_config`` and QSDP keywords / a recipe.
-
-    Example::
-
-        accelerator = Accelerator(fsdp_plugin=QSDPPlugin(weight_bits=8, grad_bits=8))
-        accelerator = Accelerator(fsdp_plugin=QSDPPlugin(qsdp_config=QSDPConfig(grad_bits="off")))
-    """
-
-    _: KW_ONLY
-    qsdp_config: QSDPConfig | None = field(default=None, metadata={"help": "the QSDP settings (qaccel.QSDPConfig)"})
-    recipe: InitVar[str | os.PathLike | None] = None
-    weight_bits: InitVar[Any] = _NOT_GIVEN
-    grad_bits: InitVar[Any] = _NOT_GIVEN
-    replica_grad_bits: InitVar[Any] = _NOT_GIVEN
-    weight_bucket_size: InitVar[Any] = _NOT_GIVEN
-    grad_bucket_size: InitVar[Any] = _NOT_GIVEN
-    weight_meta_dtype: InitVar[Any] = _NOT_GIVEN
-    grad_meta_dtype: InitVar[Any] = _NOT_GIVEN
-    rounding: InitVar[Any] = _NOT_GIVEN
-    seed: InitVar[Any] = _NOT_GIVEN
-    master_weights: InitVar[Any] = _NOT_GIVEN
-    param_min_numel: InitVar[Any] = _NOT_GIVEN
-    unit_min_numel: InitVar[Any] = _NOT_GIVEN
-    weight_rotation: InitVar[Any] = _NOT_GIVEN
-    grad_rotation: InitVar[Any] = _NOT_GIVEN
-    grad_error_feedback: InitVar[Any] = _NOT_GIVEN
-    prefetch: InitVar[Any] = _NOT_GIVEN
-    overlap_reduce_scatter: InitVar[Any] = _NOT_GIVEN
-
-    def __post_init__(self, recipe: str | os.PathLike | None, *qsdp_values: Any) -> None:
-        given = {name: value for name, value in zip(QSDP_KEYWORDS, qsdp_values, strict=True) if value is not _NOT_GIVEN}
-        if self.qsdp_config is not None:
-            if given or recipe is not None:
-                raise ValueError(f"QSDPPlugin: give either qsdp_config or QSDP keywords/recipe, not both (got {sorted(given)}, recipe={recipe!r})")
-            if not isinstance(self.qsdp_config, QSDPConfig):
-                raise TypeError(f"QSDPPlugin.qsdp_config: expected a QSDPConfig, got {type(self.qsdp_config).__name__}")
-        else:
-            self.qsdp_config = QSDPConfig.from_env(recipe=recipe, **given)
-        version, source = self.fsdp_version, "argument"
-        if version is None:
-            version, source = os.environ.get("FSDP_VERSION", "2"), "FSDP_VERSION"
-        if str(version) != "2":
-            raise NotImplementedError(
-                f"QSDPPlugin.fsdp_version={version} (from {source}): QSDP runs on FSDP2 only; use fsdp_version=2 "
-                "(fsdp_config: {fsdp_version: 2} in the Accelerate config)"
-            )
-        self.fsdp_version = 2
-        # reshard_after_forward=<int> is refused by Accelerate's FSDP2 plugin itself; install_qsdp
-        # refuses it too for models sharded by hand.
-        super().__post_init__()
 
 
 def _launched_with_fsdp2() -> bool:
@@ -219,91 +126,6 @@ def after_init(accelerator: Any, fsdp_plugin: Any = None) -> None:
         run_deferred_parallelism_check(accelerator)
     elif accelerator.distributed_type == DistributedType.NO and isinstance(plugin, QSDPPlugin):
         logger.warning("QSDP: single process, nothing to communicate; QSDP is inactive")
-
-
-
-def _nested_carve_outs(model: nn.Module, is_unit: Any) -> list[tuple[str, str]]:
-    """(unit name, carved-out name) for every auto-wrap unit that would contain a carved-out module.
-
-    A carved-out module that is a unit itself is fine: Accelerate skips it.
-    """
-    names = {id(module): name for name, module in model.named_modules()}
-    carved = [module for module in fsdp2_carved_out_modules(model) if not is_unit(module)]
-    nested = []
-    for name, module in model.named_modules():
-        if module is model or not is_unit(module):  # Accelerate always wraps the root last
-            continue
-        inside = {id(sub) for sub in module.modules() if sub is not module}
-        nested.extend((name, names[id(c)]) for c in carved if id(c) in inside)
-    return nested
-
-
-def plan_auto_wrap(plugin: FullyShardedDataParallelPlugin, model: nn.Module) -> dict[str, str]:
-    """Settle ``plugin``'s auto-wrap for ``model`` so that no unit nests around a carved-out module.
-
-    Accelerate's FSDP2 preparation shards the auto-wrap units first and then, as units of their
-    own, the input embedding and the [final norm, output embedding] tail (``fsdp2_carved_out_modules``).
-    ``fully_shard`` on a module whose parameters an enclosing unit already sharded fails
-    (``TypeError: Invariant encountered: value was None``). The transformer-based wrap without a
-    class list takes the model's ``_no_split_modules``, which for BERT-like models names the
-    embeddings block (``BertEmbeddings``) around the input embedding: such classes are dropped
-    from the default list (the transformer blocks stay units; the embedding becomes Accelerate's
-    own unit, as for GPT-2). Classes named explicitly are kept as named, or refused.
-
-    Args:
-        plugin: an FSDP2 plugin (``auto_wrap_policy`` as ``__post_init__`` resolved it).
-        model: the model about to be prepared.
-
-    Returns:
-        The classes left out of the default list, each with the carved-out module it contains
-        (empty when nothing changed).
-
-    Raises:
-        ValueError: an explicitly named transformer class, or a size-based unit
-            (``min_num_params``), would contain a carved-out module.
-    """
-    policy = plugin.auto_wrap_policy
-    policy = policy.func if isinstance(policy, functools.partial) else policy
-    if policy is transformer_auto_wrap_policy:
-        explicit = plugin.transformer_cls_names_to_wrap is not None
-        listed = list(plugin.transformer_cls_names_to_wrap if explicit else getattr(model, "_no_split_modules", None) or [])
-
-        def inner(module: nn.Module) -> nn.Module:
-            # Accelerate's policy looks through activation checkpointing's wrapper, so does this.
-            return getattr(module, "_checkpoint_wrapped_module", module)
-
-        # Accelerate matches with isinstance against the classes found by name in the model.
-        classes = tuple({type(inner(m)) for m in model.modules() if type(inner(m)).__name__ in listed})
-        nested = _nested_carve_outs(model, lambda module: isinstance(inner(module), classes))
-        if not nested:
-            return {}
-        blocked = {
-            next(c.__name__ for c in type(inner(model.get_submodule(unit))).__mro__ if c in classes): (unit, carved)
-            for unit, carved in nested
-        }
-        if explicit:
-            name, (unit, carved) = next(iter(blocked.items()))
-            from_env = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") == listed
-            source = "FSDP_TRANSFORMER_CLS_TO_WRAP" if from_env else "the FSDP plugin"
-            raise ValueError(
-                f"FSDP transformer_cls_names_to_wrap={listed} (from {source}): {name} ({unit}) contains {carved}, which "
-                "Accelerate's FSDP2 preparation shards as a unit of its own afterwards; fully_shard cannot nest it "
-                f"inside an already sharded unit. Name the transformer block classes only (not {name})"
-            )
-        plugin.transformer_cls_names_to_wrap = [name for name in listed if name not in blocked]
-        return {name: carved for name, (_, carved) in blocked.items()}
-    elif policy is size_based_auto_wrap_policy and plugin.min_num_params > 0:
-        numel = {id(module): sum(p.numel() for p in module.parameters()) for module in model.modules()}
-        nested = _nested_carve_outs(model, lambda module: numel[id(module)] > plugin.min_num_params)
-        if nested:
-            unit, carved = nested[0]
-            raise ValueError(
-                f"FSDP min_num_params={plugin.min_num_params} (size-based auto-wrap): {unit} "
-                f"({numel[id(model.get_submodule(unit))]} parameters) would be a unit around {carved}, which Accelerate's "
-                "FSDP2 preparation shards as a unit of its own afterwards; fully_shard cannot nest it. Use "
-                "auto_wrap_policy='transformer_based_wrap' (FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP)"
-            )
-    return {}
 
 
 def _fsdp2_plugin(accelerator: Any) -> FullyShardedDataParallelPlugin | None:
@@ -387,51 +209,3 @@ def after_prepare(accelerator: Any, objects: list) -> None:
     accelerator.register_load_state_pre_hook(lambda models, input_dir: read_qsdp_state(handle, input_dir, rank))
     if accelerator.is_main_process:
         logger.info("QSDP config: %s; units: %s", plugin.qsdp_config.to_dict(), handle.describe())
-
-
-def write_qsdp_state(handle: QSDPHandle, output_dir: str | os.PathLike, rank: int, is_main_process: bool) -> None:
-    """Write ``qaccel_qsdp.json`` (seed counters, world size, config; main process) and, with gradient
-    error feedback, this rank's buffers (``qaccel_qsdp_error_rank<rank>.safetensors``); call on every rank."""
-    if is_main_process:
-        atomic_write_json(Path(output_dir) / QSDP_STATE_FILE, handle.state_dict())
-    if handle.config.grad_error_feedback is not None:
-        from safetensors.torch import save
-
-        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in handle.error_state().items()}
-        with atomic_open(qsdp_error_rank_path(output_dir, rank), "wb") as stream:
-            stream.write(save(tensors, metadata={"world_size": str(handle.world_size), "rank": str(rank)}))
-
-
-def read_qsdp_state(handle: QSDPHandle, input_dir: str | os.PathLike, rank: int) -> bool:
-    """Restore the seed counters (and this rank's error-feedback buffers) from ``input_dir``.
-
-    Returns False (and a warning) when the folder has no QSDP state.
-
-    Raises:
-        ValueError: the checkpoint was saved with other QSDP settings (naming each one), or with
-            error feedback on the same world size but without this rank's buffer file.
-    """
-    path = Path(input_dir) / QSDP_STATE_FILE
-    if not path.exists():
-        logger.warning(
-            "QSDP: %s has no %s (saved without QSDP?): the rounding noise restarts from step 0; training is "
-            "unaffected otherwise", input_dir, QSDP_STATE_FILE,
-        )  # fmt: skip
-        return False
-    state = read_json(path)
-    handle.load_state_dict(state)
-    if handle.config.grad_error_feedback is not None:
-        saved_world_size = int(state["world_size"])
-        error_path = qsdp_error_rank_path(input_dir, rank)
-        tensors: dict[str, torch.Tensor] = {}
-        if saved_world_size == handle.world_size:
-            if not error_path.exists():
-                raise ValueError(
-                    f"QSDP checkpoint {input_dir}: saved with grad_error_feedback on {saved_world_size} ranks but "
-                    f"{error_path.name} (rank {rank}'s error buffers) is missing; the checkpoint is incomplete"
-                )
-            from safetensors.torch import load_file
-
-            tensors = load_file(str(error_path))
-        handle.load_error_state(tensors, saved_world_size)
-    return True

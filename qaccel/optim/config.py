@@ -22,10 +22,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .._settings import DEPRECATED_CONFIG_FILE_ENV, SettingsMixin
+from .._settings import (
+    DEPRECATED_CONFIG_FILE_ENV,
+    SettingError,
+    SettingProblem,
+    SettingsMixin,
+    SettingTypeError,
+    UnsupportedSetting,
+)
 from ..comm import ONEBIT_PADDINGS
 
-__all__ = ["ZeroOneAdamConfig", "OneBitAdamConfig", "GRANULARITIES", "RECIPE_ENV"]
+__all__ = ["OneBitConfigBase", "ZeroOneAdamConfig", "OneBitAdamConfig", "GRANULARITIES", "RECIPE_ENV"]
 
 GRANULARITIES = ("tensor", "group")
 RECIPE_ENV = DEPRECATED_CONFIG_FILE_ENV
@@ -41,8 +48,12 @@ def _is_int(value: object) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _OneBitConfigBase(SettingsMixin):
-    """Fields shared by both optimizers; see the subclasses for the documentation."""
+class OneBitConfigBase(SettingsMixin):
+    """Fields shared by both 1-bit optimizers' configs; see the subclasses for the documentation.
+
+    Public so that code which accepts either config (the optimizers' shared base,
+    :class:`qaccel.optim.OneBitOptimizerBase`) can name the type.
+    """
 
     lr: float = field(default=1e-3, metadata={"help": "learning rate, >= 0; a param group's lr overrides it (default 1e-3)"})
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "beta1,beta2, each in [0, 1) (default 0.9,0.999)"})
@@ -75,8 +86,8 @@ class _OneBitConfigBase(SettingsMixin):
         default="nccl", metadata={"help": "DeepSpeed compatibility key; only nccl (qaccel uses the given torch.distributed group)"}
     )
 
-    def _fail(self, key: str, value: object, allowed: str, error: type[Exception] = ValueError) -> None:
-        raise error(f"{type(self).__name__}.{key}={value!r}: {allowed}")
+    def _fail(self, key: str, value: object, allowed: str, error: type[SettingProblem] = SettingError) -> None:
+        raise error(key, value, allowed, owner=type(self).__name__)
 
     def __post_init__(self) -> None:
         if not _is_number(self.lr) or self.lr < 0:
@@ -100,7 +111,7 @@ class _OneBitConfigBase(SettingsMixin):
         if not _is_int(self.replica_check_interval) or self.replica_check_interval < 0:
             self._fail("replica_check_interval", self.replica_check_interval, "must be an int >= 0 (0 disables the check)")
         if not isinstance(self.overlap_comm, bool):
-            self._fail("overlap_comm", self.overlap_comm, "must be true or false", TypeError)
+            self._fail("overlap_comm", self.overlap_comm, "must be true or false", SettingTypeError)
         # DeepSpeed keys that DeepSpeed itself ignores or rejects: accept only the value that is true.
         if self.bias_correction is not False:
             self._fail(
@@ -111,7 +122,7 @@ class _OneBitConfigBase(SettingsMixin):
         if self.eps_inside_sqrt is not False:
             self._fail("eps_inside_sqrt", self.eps_inside_sqrt, "must be False: eps is always added outside the sqrt")
         if self.amsgrad is not False:
-            self._fail("amsgrad", self.amsgrad, "must be False: AMSGrad is not supported", NotImplementedError)
+            self._fail("amsgrad", self.amsgrad, "must be False: AMSGrad is not supported", UnsupportedSetting)
         if not _is_number(self.max_grad_norm) or self.max_grad_norm != 0:
             self._fail("max_grad_norm", self.max_grad_norm, "must be 0: use gradient_clipping (DeepSpeed rejects it too)")
         if self.cuda_aware is not False:
@@ -122,18 +133,18 @@ class _OneBitConfigBase(SettingsMixin):
                 self.comm_backend_name,
                 "must be 'nccl': qaccel always communicates through the torch.distributed process group it is "
                 "given (NCCL on GPU, gloo on CPU); DeepSpeed's mpi/hccl/compressed backends do not exist here",
-                NotImplementedError,
+                UnsupportedSetting,
             )
 
     @classmethod
     def resolve(
         cls,
-        config: _OneBitConfigBase | None = None,
+        config: OneBitConfigBase | None = None,
         arguments: Mapping[str, Any] | None = None,
         *,
         recipe: str | os.PathLike | Mapping[str, Any] | None = None,
         environ: Mapping[str, str] | None = None,
-    ) -> _OneBitConfigBase:
+    ) -> OneBitConfigBase:
         """The optimizers' config: ``config`` as given (with ``arguments`` replacing fields), or, without a
         config, ``arguments`` over the environment over the recipe over the defaults (:meth:`from_env`).
 
@@ -156,7 +167,7 @@ class _OneBitConfigBase(SettingsMixin):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ZeroOneAdamConfig(_OneBitConfigBase):
+class ZeroOneAdamConfig(OneBitConfigBase):
     """Settings of 0/1 Adam (Lu et al. 2022), DeepSpeed ``ZeroOneAdam`` key names and defaults.
 
     Attributes:
@@ -223,7 +234,7 @@ class ZeroOneAdamConfig(_OneBitConfigBase):
 
 
 @dataclass(frozen=True, kw_only=True)
-class OneBitAdamConfig(_OneBitConfigBase):
+class OneBitAdamConfig(OneBitConfigBase):
     """Settings of 1-bit Adam (Tang et al. 2021), DeepSpeed ``OneBitAdam`` key names and defaults.
 
     Attributes:

@@ -6,6 +6,7 @@ itself: the same calls (``repr``, ``dataclasses.fields``, ``dataclasses.replace`
 """
 
 import dataclasses
+import inspect
 import os
 
 import pytest
@@ -55,6 +56,32 @@ def test_keywords_are_exactly_the_config_fields_in_order():
     init_only = [name for name, hint in QSDPPlugin.__annotations__.items() if str(hint).startswith("InitVar")]
     assert init_only == ["recipe", *[f.name for f in dataclasses.fields(QSDPConfig)]]
     assert list(_qsdp.QSDP_KEYWORDS) == [f.name for f in dataclasses.fields(QSDPConfig)]
+
+
+# A value other than the default for every QSDPConfig field, written by hand: a new field must be
+# added here, and then reaches the plugin without an edit of the plugin.
+NON_DEFAULTS = {
+    "weight_bits": 4, "grad_bits": 3, "replica_grad_bits": None, "weight_bucket_size": 64, "grad_bucket_size": 512,
+    "weight_meta_dtype": "bfloat16", "grad_meta_dtype": "float32", "rounding": "nearest", "seed": 5,
+    "master_weights": "quantized", "param_min_numel": 7, "unit_min_numel": 0, "weight_rotation": "hadamard",
+    "grad_rotation": "hadamard", "grad_error_feedback": "bfloat16", "prefetch": False, "overlap_reduce_scatter": False,
+}  # fmt: skip
+
+
+def test_every_config_field_is_a_plugin_keyword_that_round_trips():
+    names = [f.name for f in dataclasses.fields(QSDPConfig)]
+    assert sorted(NON_DEFAULTS) == sorted(names)
+    keyword_only = [p.name for p in inspect.signature(QSDPPlugin).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert keyword_only[-len(names) - 1 :] == ["recipe", *names]
+    defaults = QSDPConfig()
+    for name in names:
+        config = QSDPPlugin(**{name: NON_DEFAULTS[name]}).qsdp_config
+        assert getattr(config, name) == NON_DEFAULTS[name] != getattr(defaults, name), name
+        assert config.differences(defaults).keys() <= {name}, name  # nothing else moved
+    # all at once (quantized masters stay on the unrotated grid, so weight_rotation keeps its default)
+    together = {**NON_DEFAULTS, "weight_rotation": "none"}
+    config = QSDPPlugin(**together).qsdp_config
+    assert {name: getattr(config, name) for name in names} == together
 
 
 def test_keywords_environment_and_recipe_fill_the_config(monkeypatch, tmp_path):

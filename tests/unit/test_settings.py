@@ -18,8 +18,9 @@ from typing import Literal
 import pytest
 import yaml
 
-from qaccel import _settings
 from qaccel._settings import (
+    SettingError,
+    _files,
     add_config_flags,
     config_file_from_env,
     config_from_dict,
@@ -151,8 +152,9 @@ class Demo:
     pair: tuple[float, float] = dataclasses.field(default=(0.0, 0.0), metadata={"help": "pair"})
 
     def __post_init__(self):
+        # A config raises the structured SettingError; the reader adds the source by its key.
         if not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"Demo.steps={self.steps!r}: must be an int >= 1")
+            raise SettingError("steps", self.steps, "must be an int >= 1", owner="Demo")
 
 
 def _demo(environ, **kwargs):
@@ -276,7 +278,7 @@ def test_a_recipe_yaml_reads_its_method_section(tmp_path):
 
 
 def test_qaccel_recipe_still_works_and_warns_once_naming_the_replacement(tmp_path, clean_env):
-    _settings._warn_deprecated_config_file_env.cache_clear()
+    _files._warn_deprecated_config_file_env.cache_clear()
     path = tmp_path / "old.yaml"
     path.write_text("qsdp: {weight_bits: 6}\nzero_one_adam: {var_freeze_step: 5}\n")
     with warnings.catch_warnings(record=True) as caught:

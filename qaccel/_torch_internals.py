@@ -7,7 +7,8 @@ and why no public API does it:
 
 - FSDP2 (``torch/distributed/fsdp/_fully_shard``, ``docs/qsdp.md``, "Upstream hook points"): the
   custom-comm base classes ``AllGather`` / ``ReduceScatter`` of ``_fsdp_api`` (torch >= 2.9; not
-  re-exported by ``torch.distributed.fsdp``); a unit's ``FSDPState`` (``FSDPModule._get_fsdp_state``)
+  re-exported by ``torch.distributed.fsdp``) and the default comms ``DefaultAllGather`` /
+  ``DefaultReduceScatter`` of ``_fsdp_collectives`` (what a unit carries until a custom one is set); a unit's ``FSDPState`` (``FSDPModule._get_fsdp_state``)
   with its ``_modules``, ``_fsdp_param_groups`` and ``_states_to_{forward,backward}_prefetch``; each
   ``FSDPParamGroup``'s ``fsdp_params``, ``mp_policy``, ``mesh_info`` / ``post_forward_mesh_info``,
   ``unshard_async_op`` and installed ``_all_gather_comm`` / ``_reduce_scatter_comm``; each
@@ -28,6 +29,9 @@ and why no public API does it:
   ``torch.distributed.checkpoint``, and ``torch.serialization._get_layout``: private globals that
   torch's DCP ``.metadata`` pickles refer to, which the vetted checkpoint loader must allow
   (:func:`dcp_metadata_private_globals`).
+- The flat collectives under both of their names (:func:`all_gather_single`,
+  :func:`reduce_scatter_single`): torch 2.10 renamed ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor`` to ``*_single`` (the old names warn) and older releases lack the new ones.
 
 This module sits below every layer (it imports only torch), so ``comm/``, ``fsdp/``, ``optim/``,
 ``training/`` and ``checkpoint/`` all use it.
@@ -41,6 +45,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._upstream import PrivateSurface
@@ -48,6 +53,7 @@ from ._upstream import PrivateSurface
 __all__ = [
     "TORCH",
     "fsdp2_comm_bases",
+    "fsdp2_default_comm_types",
     "fsdp_state",
     "state_modules",
     "param_groups",
@@ -74,6 +80,8 @@ __all__ = [
     "foreach_norm",
     "foreach_mul_",
     "dcp_metadata_private_globals",
+    "all_gather_single",
+    "reduce_scatter_single",
 ]
 
 TORCH = PrivateSurface("torch", ("2.13.0",), __name__)
@@ -94,6 +102,17 @@ def fsdp2_comm_bases() -> tuple[type, type]:
     except ImportError:
         raise TORCH.missing(f"the module {_FSDP_API}", _CUSTOM_COMMS) from None
     return TORCH.get(api, "AllGather", _CUSTOM_COMMS), TORCH.get(api, "ReduceScatter", _CUSTOM_COMMS)
+
+
+def fsdp2_default_comm_types() -> tuple[type, type]:
+    """FSDP2's ``(DefaultAllGather, DefaultReduceScatter)``: the comms a unit carries before a custom one is set.
+
+    Raises:
+        RuntimeError: this torch lacks one of the classes.
+    """
+    module = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_collectives")
+    purpose = "telling FSDP2's default comms from a foreign custom comm"
+    return TORCH.get(module, "DefaultAllGather", purpose), TORCH.get(module, "DefaultReduceScatter", purpose)
 
 
 def fsdp_state(module: nn.Module) -> Any:
@@ -215,6 +234,40 @@ def param_offloads_to_cpu(fsdp_param: Any) -> bool:
 def param_shard_dim(fsdp_param: Any) -> int:
     """The dimension an ``FSDPParam`` is sharded on (0 unless ``shard_placement_fn`` chose another)."""
     return int(TORCH.get(fsdp_param, "fsdp_placement", _RS_OVERLAP, owner="FSDPParam").dim)
+
+
+# ------------------------------------------------------------------------- flat collectives
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+) -> dist.Work | None:
+    """Gather every rank's ``input`` into the flat ``output`` (``group.size() * input.numel()`` elements).
+
+    Calls ``dist.all_gather_single`` where torch has it (>= 2.10; FSDP2's default comm calls it) and
+    ``dist.all_gather_into_tensor`` otherwise. The function is looked up at call time, as FSDP2's own
+    comms do, so a wrapper around the torch function (a profiler, a test counting the bytes handed
+    to the collective) sees these calls too.
+
+    Returns:
+        The collective's ``Work`` when ``async_op``, else None.
+    """
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return collective(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    op: dist.ReduceOp | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Reduce the flat ``input`` across ranks with ``op`` (default SUM) and keep this rank's chunk in ``output``.
+
+    ``dist.reduce_scatter_single`` where torch has it, else ``dist.reduce_scatter_tensor``; looked up
+    at call time like :func:`all_gather_single`.
+    """
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return collective(output, input, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
 
 
 # ----------------------------------------------------------------------------------- torch core

@@ -13,20 +13,11 @@ from ._onebit import (
     onebit_wire_bytes,
     start_compressed_allreduce,
 )
+from ._payload import PayloadLayout, SegmentOffsets, WireCodec, decode_chunk, encode_chunk, mix_seed, seed_table
 from ._phases import PHASES, PhaseTimer, PhaseTotals
-from ._quantized import (
-    DecodeOnWait,
-    PayloadLayout,
-    WireCodec,
-    alltoall_reduce_scatter,
-    counted_all_gather,
-    counted_reduce_scatter,
-    decode_chunk,
-    encode_chunk,
-    mix_seed,
-    quantized_all_gather,
-    quantized_reduce_scatter,
-)
+from ._quantized import quantized_all_gather, quantized_reduce_scatter
+from ._stock import alltoall_reduce_scatter, counted_all_gather, counted_reduce_scatter
+from ._work import DecodeOnWait
 
 __all__ = [
     "BufferPool",
@@ -39,7 +30,9 @@ __all__ = [
     "default_meter",
     "ring_all_gather_bytes",
     "PayloadLayout",
+    "SegmentOffsets",
     "WireCodec",
+    "seed_table",
     "counted_all_gather",
     "counted_reduce_scatter",
     "alltoall_reduce_scatter",

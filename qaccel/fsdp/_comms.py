@@ -1,12 +1,18 @@
-"""``QuantizedAllGather`` / ``QuantizedReduceScatter``: FSDP2 comms that put QSDP codes on the wire.
+"""QSDP's FSDP2 comms: transports that quantize and move a unit's bytes, and FSDP2's own collective, counted.
 
-FSDP2 calls these with its flat, padded, rank-ordered buffers (``docs/qsdp.md``, "What FSDP2
-hands a comm").
-With a codec they run the quantized collectives of :mod:`qaccel.comm`; without one (bits off,
-or a unit too small to be worth it) they issue exactly FSDP2's default collective and only count
-its bytes, so the hook path itself changes nothing. On CPU the reduce-scatter of either kind may
-return with its transport running and be finished before backward ends
-(:mod:`qaccel.fsdp._rs_overlap`), with bit-identical gradients.
+FSDP2 calls a comm with its flat, padded, rank-ordered buffers (``docs/qsdp.md``, "What FSDP2
+hands a comm"). As FSDP2's own comms (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``)
+each one is a small object that gets everything it needs at construction, and each does one thing:
+
+- :class:`QuantizedAllGather` / :class:`QuantizedReduceScatter`: k-bit codes on the wire, through
+  the quantized collectives of :mod:`qaccel.comm`;
+- :class:`CountedAllGather` / :class:`CountedReduceScatter`: exactly FSDP2's default collective,
+  its bytes recorded (bits off, or a unit too small to be worth quantizing), so the hook path
+  itself changes nothing.
+
+Overlapping the reduce-scatter with backward on CPU wraps either reduce-scatter
+(:class:`qaccel.fsdp._rs_overlap.OverlappedReduceScatter`); hierarchical QSDP's all-reduce across
+replicas is a hook beside them (:mod:`qaccel.fsdp._replica`).
 """
 
 from __future__ import annotations
@@ -14,8 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -23,7 +28,6 @@ import torch.distributed as dist
 from .._torch_internals import fsdp2_comm_bases
 from ..comm import (
     BufferPool,
-    PayloadLayout,
     PhaseTimer,
     WireCodec,
     WireMeter,
@@ -32,10 +36,21 @@ from ..comm import (
     quantized_all_gather,
     quantized_reduce_scatter,
 )
-from ._rs_overlap import FSDPTail, ReduceScatterOverlap
+from ._plan import UnitPlan
 from ._seeds import SeedSchedule
 
-__all__ = ["UnitPlan", "QuantizedAllGather", "QuantizedReduceScatter", "KIND_QSDP_AG", "KIND_QSDP_RS", "KIND_FSDP_AG", "KIND_FSDP_RS"]
+__all__ = [
+    "QSDPComm",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "CountedAllGather",
+    "CountedReduceScatter",
+    "UnitPlan",
+    "KIND_QSDP_AG",
+    "KIND_QSDP_RS",
+    "KIND_FSDP_AG",
+    "KIND_FSDP_RS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,142 +63,132 @@ KIND_FSDP_AG = "fsdp.all_gather"  # stock collective (bits off or unit below uni
 KIND_FSDP_RS = "fsdp.reduce_scatter"
 
 
-@dataclass
-class UnitPlan:
-    """What one unit sends: its segment map and whether it is quantized at all.
-
-    Attributes:
-        index: unit index (part of every seed).
-        name: for messages.
-        segments: ``(padded_shard_numel, quantize)`` per parameter, in buffer order.
-        enabled: False when the unit stays on the stock collectives (``unit_min_numel``, or no
-            parameter worth quantizing).
-    """
-
-    index: int
-    name: str
-    segments: tuple[tuple[int, bool], ...]
-    enabled: bool
-
-    def __post_init__(self) -> None:
-        self._layouts: dict[tuple, PayloadLayout] = {}
-
-    @classmethod
-    def build(cls, index: int, name: str, shapes: Sequence[torch.Size], shard_numels: Sequence[int], *, param_min_numel: int, unit_min_numel: int) -> UnitPlan:
-        """Segment map: 1-D or small parameters raw, others quantized; adjacent raw ones merged."""
-        segments: list[tuple[int, bool]] = []
-        for shape, numel in zip(shapes, shard_numels, strict=True):
-            quantize = len(shape) >= 2 and shape.numel() >= max(param_min_numel, 1)
-            if numel == 0:
-                continue
-            if segments and not quantize and not segments[-1][1]:
-                segments[-1] = (segments[-1][0] + numel, False)
-            else:
-                segments.append((numel, quantize))
-        total = sum(n for n, _ in segments)
-        enabled = total >= unit_min_numel and any(q for _, q in segments)
-        return cls(index=index, name=name, segments=tuple(segments), enabled=enabled)
-
-    def layout(self, codec: WireCodec, chunk_numel: int, elem_dtype: torch.dtype) -> PayloadLayout:
-        """The payload layout for a chunk of ``chunk_numel`` elements, cached per (length, dtype)."""
-        key = (codec, chunk_numel, elem_dtype)
-        layout = self._layouts.get(key)
-        if layout is None:
-            segments = self.segments
-            if sum(n for n, _ in segments) != chunk_numel:
-                # The buffer does not match our reading of FSDP's layout (e.g. a torch change):
-                # stay correct with uniform buckets over the whole chunk, and say so once.
-                logger.warning(
-                    "QSDP unit %d (%s): segment map sums to %d elements but the FSDP buffer chunk has %d; "
-                    "falling back to uniform buckets over the whole chunk",
-                    self.index, self.name, sum(n for n, _ in segments), chunk_numel,
-                )
-                segments = ((chunk_numel, True),)
-            layout = PayloadLayout(segments=segments, codec=codec, elem_dtype=elem_dtype)
-            self._layouts[key] = layout
-        return layout
-
-
-class _UnitComm:
-    """What both QSDP comms hold, and FSDP2's comm buffers from a pool that lives across steps.
+class QSDPComm:
+    """Base of every comm QSDP installs on an FSDP2 unit: FSDP2's comm buffers from a pool that lives across steps.
 
     FSDP2 allocates its flat all-gather output and reduce-scatter input through ``allocate``; on
-    CPU they come from the model's :class:`qaccel.comm.BufferPool` (so are our encoded blobs), which
-    hands a buffer out again once nothing refers to it. The reduce-scatter *output* is always
-    fresh: FSDP2 may keep it as the sharded gradient itself.
+    CPU they come from the model's :class:`qaccel.comm.BufferPool` (so do the encoded blobs), which
+    hands a buffer out again once nothing refers to it. Allocations smaller than
+    ``pool_min_numel`` are fresh: a reduce-scatter passes ``2 x`` its output here, because FSDP2
+    allocates the input (``P x S`` elements) and then the output (``S``), and may keep the output
+    as the sharded gradient itself. Being a ``QSDPComm`` is also how the installer tells its own
+    comms (re-installable) from another custom comm (refused).
+
+    Args:
+        buffers: the model's buffer pool (None: a pool of this comm's own).
+        pool_min_numel: the smallest allocation taken from the pool.
     """
 
-    def __init__(
-        self,
-        plan: UnitPlan,
-        codec: WireCodec | None,
-        seeds: SeedSchedule,
-        meter: WireMeter,
-        buffers: BufferPool | None = None,
-    ) -> None:
-        self.plan = plan
-        self.codec = codec if plan.enabled else None
-        self.seeds = seeds
-        self.meter = meter
-        self.buffers = buffers
-        self.timer: PhaseTimer | None = None  # set by benchmarks to split collectives into phases
-        # Hierarchical QSDP: replica index * shard size, so gradient seeds name the rank among all
-        # ranks and the replicas of a shard draw independent noise (0 on a 1-D mesh).
-        self.owner_offset = 0
-        # QSDPConfig.overlap_reduce_scatter: the model's pending reduce-scatters (set by the installer).
-        self.overlap: ReduceScatterOverlap | None = None
+    def __init__(self, buffers: BufferPool | None = None, pool_min_numel: int = 0) -> None:
+        self.buffers = BufferPool() if buffers is None else buffers
+        self.pool_min_numel = pool_min_numel
 
-    def _poolable(self, numel: int) -> bool:
-        return True
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device, pooled: bool = False) -> torch.Tensor:
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(size)
-        if self.buffers is None or not (pooled or self._poolable(numel)):
+        if numel < self.pool_min_numel:
             return torch.empty(*size, dtype=dtype, device=device)
         return self.buffers.get(numel, dtype, device).view(*size)
 
 
-class QuantizedAllGather(_UnitComm, AllGather):
+def _require_quantized(cls: str, plan: UnitPlan, codec: WireCodec | None) -> WireCodec:
+    if codec is None or not plan.enabled:
+        why = "codec is None" if codec is None else "the unit's plan is not enabled (unit_min_numel, or nothing worth quantizing)"
+        stock = cls.replace("Quantized", "Counted")
+        raise ValueError(f"{cls} (unit {plan.name}): {why}; the unit's stock collective is {stock}")
+    return codec
+
+
+class CountedAllGather(QSDPComm, AllGather):
+    """FSDP2's default all-gather (the same call, bit-identical), recording its bytes under ``fsdp.all_gather``.
+
+    Args:
+        meter: where bytes are recorded.
+        buffers: the model's buffer pool.
+    """
+
+    def __init__(self, meter: WireMeter, buffers: BufferPool | None = None) -> None:
+        super().__init__(buffers)
+        self.meter = meter
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        return counted_all_gather(output_tensor, input_tensor, group, self.meter, KIND_FSDP_AG, async_op=async_op)
+
+
+class QuantizedAllGather(QSDPComm, AllGather):
     """FSDP2 ``AllGather`` that gathers this rank's shard as k-bit codes plus bucket metadata.
 
     Every rank, the owner included, decodes every chunk from the gathered bytes, so all ranks
     compute with bit-identical unsharded weights. Forward and backward re-gathers of one step use
-    the same seed and therefore decode the same weights.
+    the same seed and therefore decode the same weights. With ``async_op`` (FSDP2 prefetching, see
+    :func:`qaccel.fsdp.apply_prefetch`) the returned work decodes when FSDP2 waits on it.
 
     Args:
-        plan: the unit's segment map.
-        codec: the weight quantizer, or ``None`` for the stock collective (bytes still counted).
+        plan: the unit's segment map (``plan.enabled``).
+        codec: the weight quantizer.
         seeds: the model's seed schedule.
-        meter: where bytes are recorded (kinds ``qsdp.all_gather`` / ``fsdp.all_gather``).
+        meter: where bytes are recorded (kind ``qsdp.all_gather``).
+        buffers: the model's buffer pool.
+        timer: splits each call into encode / transport / decode (``qaccel bench comm``; None: off).
+            :meth:`qaccel.fsdp.QSDPHandle.set_phase_timer` swaps it between calls.
+
+    Raises:
+        ValueError: ``codec`` is None or the plan is not enabled (that unit's comm is :class:`CountedAllGather`).
     """
 
+    def __init__(
+        self, plan: UnitPlan, codec: WireCodec, seeds: SeedSchedule, meter: WireMeter, buffers: BufferPool | None = None, *, timer: PhaseTimer | None = None
+    ) -> None:
+        super().__init__(buffers)
+        self.codec = _require_quantized("QuantizedAllGather", plan, codec)
+        self.plan = plan
+        self.seeds = seeds
+        self.meter = meter
+        self.timer = timer
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
-        if self.overlap is not None:
-            # The first collective after a backward that raised: settle its pending reduce-scatters.
-            self.overlap.drop_stale()
-        if self.codec is None:
-            return counted_all_gather(output_tensor, input_tensor, group, self.meter, KIND_FSDP_AG, async_op=async_op)
         layout = self.plan.layout(self.codec, input_tensor.numel(), input_tensor.dtype)
         seed = self.seeds.weight_seed(self.plan.index, group.rank())
         # A rotated codec decodes every owner's chunk with that owner's signs, hence its seed.
         owner_seeds = [self.seeds.weight_seed(self.plan.index, owner) for owner in range(group.size())] if layout.spec.rotated else None
-        # With async_op (FSDP2 prefetching, see apply_prefetch) the work decodes when FSDP2 waits on it.
         return quantized_all_gather(
             output_tensor, input_tensor, group, layout, seed, self.meter, KIND_QSDP_AG,
             owner_seeds=owner_seeds, async_op=async_op, buffers=self.buffers, timer=self.timer,
         )  # fmt: skip
 
 
-class QuantizedReduceScatter(_UnitComm, ReduceScatter):
+class CountedReduceScatter(QSDPComm, ReduceScatter):
+    """FSDP2's default reduce-scatter with FSDP2's own op (bit-identical), recording its bytes under ``fsdp.reduce_scatter``.
+
+    Args:
+        plan: the unit's gradient segment map (its size says which allocation is the output).
+        meter: where bytes are recorded.
+        buffers: the model's buffer pool.
+    """
+
+    needs_forced_sum: ClassVar[bool] = False  # FSDP's own op: the unit stays bit-identical to stock
+
+    def __init__(self, plan: UnitPlan, meter: WireMeter, buffers: BufferPool | None = None) -> None:
+        super().__init__(buffers, pool_min_numel=2 * plan.numel)
+        self.plan = plan
+        self.meter = meter
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False
+    ) -> dist.Work | None:
+        return counted_reduce_scatter(output_tensor, input_tensor, group, op, self.meter, KIND_FSDP_RS, async_op=async_op)
+
+
+class QuantizedReduceScatter(QSDPComm, ReduceScatter):
     """FSDP2 ``ReduceScatter`` as an all-to-all of k-bit chunks, summed in fp32: a SUM transport.
 
-    The installer forces ``ReduceOp.SUM`` on the unit (``set_force_sum_reduction_for_comms``) and
-    leaves the divide factor alone, so FSDP2 itself divides the summed shard afterwards, by the
-    data-parallel size or by a factor the user set with ``set_gradient_divide_factor`` (before or
-    after the install), in ``reduce_dtype``. ``ReduceOp.AVG`` (what FSDP2 passes if forced SUM
-    was switched off again and no factor is set) is honoured too: the fp32 sum is divided by the
-    group size. ``PREMUL_SUM`` and other ops are refused, because the comm cannot read their
-    scale back; gloo's AVG (pytorch/pytorch#162338) is never used.
+    The installer forces ``ReduceOp.SUM`` on the unit (``set_force_sum_reduction_for_comms``, see
+    :attr:`needs_forced_sum`) and leaves the divide factor alone, so FSDP2 itself divides the summed
+    shard afterwards, by the data-parallel size or by a factor the user set with
+    ``set_gradient_divide_factor`` (before or after the install), in ``reduce_dtype``.
+    ``ReduceOp.AVG`` (what FSDP2 passes if forced SUM was switched off again and no factor is set)
+    is honoured too: the fp32 sum is divided by the group size. ``PREMUL_SUM`` and other ops are
+    refused, because the comm cannot read their scale back; gloo's AVG (pytorch/pytorch#162338) is
+    never used.
 
     Each call of a unit within one optimizer step draws fresh gradient noise (see
     :class:`qaccel.fsdp.SeedSchedule`), so micro-batches that each reduce-scatter do not repeat it.
@@ -193,34 +198,44 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
     elements), allocated zero on the first call and carried from call to call, micro-batches
     included; ``error`` is saved as it is and :meth:`load_error_state` restores it.
 
-    Overlap (``QSDPConfig.overlap_reduce_scatter``, set by the installer as ``overlap``): on CPU a
-    call whose output FSDP2 only divides, casts and turns into gradients starts its transport and
-    returns with ``-0.0`` in the output; :class:`qaccel.fsdp._rs_overlap.ReduceScatterOverlap`
-    finishes it before backward ends. Seeds and error feedback advance at the call, as without it.
-
     Args:
-        plan: the unit's segment map.
-        codec: the gradient quantizer, or ``None`` for the stock collective with FSDP's own op.
+        plan: the unit's gradient segment map (``plan.enabled``).
+        codec: the gradient quantizer.
         seeds: the model's seed schedule.
-        meter: where bytes are recorded (kinds ``qsdp.reduce_scatter`` / ``fsdp.reduce_scatter``).
+        meter: where bytes are recorded (kind ``qsdp.reduce_scatter``).
         buffers: the model's buffer pool.
         error_dtype: the error-feedback store (float32 or bfloat16), or ``None`` for none.
+        owner_offset: hierarchical QSDP's ``replica index * shard size``, so gradient seeds name the
+            rank among all ranks and the replicas of a shard draw independent noise (0 on a 1-D mesh).
+        timer: as for :class:`QuantizedAllGather`.
+
+    Raises:
+        ValueError: ``codec`` is None or the plan is not enabled (that unit's comm is :class:`CountedReduceScatter`).
     """
+
+    needs_forced_sum: ClassVar[bool] = True  # a SUM transport: FSDP2 divides afterwards
 
     def __init__(
         self,
         plan: UnitPlan,
-        codec: WireCodec | None,
+        codec: WireCodec,
         seeds: SeedSchedule,
         meter: WireMeter,
         buffers: BufferPool | None = None,
         error_dtype: torch.dtype | None = None,
+        *,
+        owner_offset: int = 0,
+        timer: PhaseTimer | None = None,
     ) -> None:
-        super().__init__(plan, codec, seeds, meter, buffers)
-        self.error_dtype = error_dtype if self.codec is not None else None
+        super().__init__(buffers, pool_min_numel=2 * plan.numel)
+        self.codec = _require_quantized("QuantizedReduceScatter", plan, codec)
+        self.plan = plan
+        self.seeds = seeds
+        self.meter = meter
+        self.error_dtype = error_dtype
+        self.owner_offset = owner_offset
+        self.timer = timer
         self.error: torch.Tensor | None = None
-        # The unit's FSDPParamGroup, whose use of the output an overlapped call replays (set by the installer).
-        self.param_group: Any = None
 
     def load_error_state(self, error: torch.Tensor | None) -> None:
         """Restore a saved buffer (``None``: start from zero), cast to this unit's store dtype."""
@@ -228,41 +243,9 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
             raise ValueError(f"QSDP unit {self.plan.name}: a saved error-feedback buffer, but error feedback is off")
         self.error = None if error is None else error.to(self.error_dtype).clone()
 
-    def _poolable(self, numel: int) -> bool:
-        # FSDP2 allocates the input (P*S elements) and then the output (S): only the input is pooled.
-        return numel >= 2 * sum(n for n, _ in self.plan.segments)
-
-    @property
-    def needs_forced_sum(self) -> bool:
-        """True when the installer must force ``ReduceOp.SUM`` on the unit (quantized gradients)."""
-        return self.codec is not None
-
     def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp,
-        async_op: bool = False,
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False
     ) -> dist.Work | None:
-        if self.overlap is not None and not async_op and output_tensor.device.type == "cpu":
-            # On CPU FSDP2 calls this synchronously; overlap the transport with the rest of backward
-            # where FSDP2's use of the output can be replayed exactly (qaccel.fsdp._rs_overlap).
-            tail = self.overlap.plan(self.param_group, group, output_tensor, op)
-            if isinstance(tail, FSDPTail):
-                reduced = self.allocate(output_tensor.shape, dtype=output_tensor.dtype, device=output_tensor.device, pooled=True)
-                start = lambda into: self._reduce_scatter(into, input_tensor, group, op, async_op=True)  # noqa: E731
-                self.overlap.start(start, output_tensor, tail, reduced)
-                return None
-            self.overlap.fall_back(tail)
-        return self._reduce_scatter(output_tensor, input_tensor, group, op, async_op)
-
-    def _reduce_scatter(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool
-    ) -> dist.Work | None:
-        """The collective itself: quantized all-to-all with an fp32 sum, or FSDP2's own with byte counting."""
-        if self.codec is None:
-            return counted_reduce_scatter(output_tensor, input_tensor, group, op, self.meter, KIND_FSDP_RS, async_op=async_op)
         world, rank = group.size(), group.rank()
         if op == dist.ReduceOp.SUM:
             divide_factor = 1.0
@@ -276,15 +259,10 @@ class QuantizedReduceScatter(_UnitComm, ReduceScatter):
                 "the unit; keep it on to use a custom gradient divide factor"
             )
         layout = self.plan.layout(self.codec, output_tensor.numel(), input_tensor.dtype)
-        call = self.seeds.next_grad_call(self.plan.index)
-        owner = self.owner_offset + rank
-        seeds = [self.seeds.grad_seed(self.plan.index, owner, dest, call) for dest in range(world)]
+        unit, call = self.plan.index, self.seeds.next_grad_call(self.plan.index)
+        seeds = [self.seeds.grad_seed(unit, self.owner_offset + rank, dest, call) for dest in range(world)]
         # A rotated codec sums each source's chunk with that source's signs, hence its seed.
-        source_seeds = (
-            [self.seeds.grad_seed(self.plan.index, self.owner_offset + source, rank, call) for source in range(world)]
-            if layout.spec.rotated
-            else None
-        )
+        source_seeds = [self.seeds.grad_seed(unit, self.owner_offset + source, rank, call) for source in range(world)] if layout.spec.rotated else None
         return quantized_reduce_scatter(
             output_tensor, input_tensor, group, layout, seeds, self.meter, KIND_QSDP_RS, divide_factor,
             source_seeds=source_seeds, error=self._error_buffer(world, output_tensor),

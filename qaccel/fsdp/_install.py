@@ -23,15 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _torch_internals as torch_internals
 from ..comm import BufferPool, PhaseTimer, WireMeter, default_meter
-from ._comms import QuantizedAllGather, QuantizedReduceScatter, UnitPlan
+from ._comms import CountedAllGather, CountedReduceScatter, QuantizedAllGather, QuantizedReduceScatter
 from ._master import requantize_shards
+from ._plan import UnitPlan
 from ._prefetch import apply_prefetch
-from ._replica import ReplicaAllReduce
+from ._replica import QuantizedReplicaAllReduce, ReplicaAllReduce
 from ._rs_overlap import ReduceScatterOverlap
 from ._seeds import SeedSchedule
-from ._units import FSDPUnit, HookOwner, check_replica_group, find_units, require_custom_comms
+from ._unit_comms import SharedComms, build_unit_comms
+from ._units import FSDPUnit, HookOwner, check_replica_group, find_units, require_custom_comms, shard_group
 from .config import QSDPConfig
 
 __all__ = ["QSDPHandle", "install_qsdp"]
@@ -45,7 +46,9 @@ class QSDPHandle:
 
     ``state_dict()`` / ``load_state_dict()`` carry the step and gradient-call counters and the
     config, so a resumed run draws the same rounding noise as an uninterrupted one; a changed QSDP
-    config is refused. The only per-rank state is gradient error feedback
+    config is refused. ``all_gathers`` / ``reduce_scatters`` hold each unit's transport: quantized, or
+    FSDP2's own collective counted (what FSDP2 calls may wrap it for the overlapped reduce-scatter).
+    The only per-rank state is gradient error feedback
     (``QSDPConfig.grad_error_feedback``): :meth:`error_state` / :meth:`load_error_state`, one file per
     rank in a checkpoint. Without it a run may resume on another world size; with it the buffers
     then restart from zero, with a warning.
@@ -54,8 +57,8 @@ class QSDPHandle:
     config: QSDPConfig
     units: list[FSDPUnit]
     plans: list[UnitPlan]
-    all_gathers: list[QuantizedAllGather]
-    reduce_scatters: list[QuantizedReduceScatter]
+    all_gathers: list[QuantizedAllGather | CountedAllGather]
+    reduce_scatters: list[QuantizedReduceScatter | CountedReduceScatter]
     seeds: SeedSchedule
     world_size: int
     replica_all_reduces: list[ReplicaAllReduce] = field(default_factory=list)
@@ -65,6 +68,11 @@ class QSDPHandle:
     # cover all of them); the same object as the unit's plan when none is frozen.
     grad_plans: list[UnitPlan] = field(default_factory=list)
     _hooks: list = field(default_factory=list)
+
+    @property
+    def quantized_reduce_scatters(self) -> list[QuantizedReduceScatter]:
+        """The units' reduce-scatters that quantize (the ones that may keep error feedback)."""
+        return [rs for rs in self.reduce_scatters if isinstance(rs, QuantizedReduceScatter)]
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Advance the seeds (and re-round mode-B shards) after each step of ``optimizer``."""
@@ -85,17 +93,19 @@ class QSDPHandle:
         return [
             {
                 "unit": plan.name,
-                "shard_numel": sum(n for n, _ in plan.segments),
+                "shard_numel": plan.numel,
                 "quantized_numel": sum(n for n, q in plan.segments if q),
                 # what the reduce-scatter carries: frozen parameters (adapters, LoRA) have no gradient
-                "grad_shard_numel": sum(n for n, _ in rs.plan.segments),
-                "weights_quantized": ag.codec is not None,
-                "grads_quantized": rs.codec is not None,
+                "grad_shard_numel": rs.plan.numel,
+                "weights_quantized": isinstance(ag, QuantizedAllGather),
+                "grads_quantized": isinstance(rs, QuantizedReduceScatter),
                 # what gradient error feedback holds on this rank: (P-1) chunks of the reduce-scatter
                 "error_feedback_bytes": (
-                    (self.world_size - 1) * sum(n for n, _ in rs.plan.segments) * rs.error_dtype.itemsize if rs.error_dtype is not None else 0
+                    (self.world_size - 1) * rs.plan.numel * rs.error_dtype.itemsize
+                    if isinstance(rs, QuantizedReduceScatter) and rs.error_dtype is not None
+                    else 0
                 ),
-                **({"replica_grads_quantized": ar.codec is not None} if ar is not None else {}),
+                **({"replica_grads_quantized": isinstance(ar, QuantizedReplicaAllReduce)} if ar is not None else {}),
             }
             for plan, ag, rs, ar in zip(
                 self.plans, self.all_gathers, self.reduce_scatters, self.replica_all_reduces or [None] * len(self.plans), strict=True
@@ -104,7 +114,7 @@ class QSDPHandle:
 
     def error_state(self) -> dict[str, torch.Tensor]:
         """This rank's error-feedback buffers, ``{"unit<index>": tensor}`` (empty without error feedback)."""
-        return {f"unit{rs.plan.index}": rs.error for rs in self.reduce_scatters if rs.error is not None}
+        return {f"unit{rs.plan.index}": rs.error for rs in self.quantized_reduce_scatters if rs.error is not None}
 
     def load_error_state(self, tensors: dict[str, torch.Tensor], saved_world_size: int) -> None:
         """Restore this rank's error-feedback buffers saved on ``saved_world_size`` ranks.
@@ -118,12 +128,12 @@ class QSDPHandle:
                 "restart from zero (the rounding errors of the last step are dropped once)", saved_world_size, self.world_size,
             )  # fmt: skip
             tensors = {}
-        for rs in self.reduce_scatters:
+        for rs in self.quantized_reduce_scatters:
             rs.load_error_state(tensors.get(f"unit{rs.plan.index}"))
 
     def error_feedback_nbytes(self) -> int:
         """Bytes this rank holds for gradient error feedback (0 before the first step or without it)."""
-        return sum(rs.error.numel() * rs.error.element_size() for rs in self.reduce_scatters if rs.error is not None)
+        return sum(rs.error.numel() * rs.error.element_size() for rs in self.quantized_reduce_scatters if rs.error is not None)
 
     def state_dict(self) -> dict:
         return {"seeds": self.seeds.state_dict(), "world_size": self.world_size, "replicas": self.replicas, "config": self.config.to_dict()}
@@ -143,8 +153,10 @@ class QSDPHandle:
 
     def set_phase_timer(self, timer: PhaseTimer | None) -> None:
         """Split every collective's time into encode / transport / decode into ``timer`` (None: off)."""
+        quantized = (QuantizedAllGather, QuantizedReduceScatter, QuantizedReplicaAllReduce)
         for comm in (*self.all_gathers, *self.reduce_scatters, *self.replica_all_reduces):
-            comm.timer = timer
+            if isinstance(comm, quantized):  # the stock collectives have no phases to split
+                comm.timer = timer
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -204,58 +216,48 @@ def install_qsdp(
     units = find_units(model)
     if not units:
         raise ValueError(f"install_qsdp: {type(model).__name__} has no FSDP2 unit; call fully_shard (or accelerator.prepare with an FSDP2 plugin) first")
-    meter = default_meter if meter is None else meter
-    seeds = SeedSchedule(config.seed)
-    world_size = max(unit.world_size for unit in units)
-    replicas = _check_replica_group(units, replica_group)
-    shard_rank = units[0].params[0].device_mesh.get_local_rank() if replicas > 1 and units[0].params else 0
-    owner_offset = replica_group.rank() * world_size if replicas > 1 else 0
-    buffers = BufferPool()  # one per model: units of equal size share their buffers
-    # One per model: pending reduce-scatters finish in the order they started, whichever unit.
-    overlap = ReduceScatterOverlap() if config.overlap_reduce_scatter else None
-    plans, all_gathers, reduce_scatters, replica_all_reduces = [], [], [], []
-    grad_plans = []
-    for unit in units:
-        plan, grad_plan = _unit_plans(unit, config)
-        all_gather = QuantizedAllGather(plan, config.weight_codec(), seeds, meter, buffers)
-        reduce_scatter = QuantizedReduceScatter(grad_plan, config.grad_codec(), seeds, meter, buffers, config.error_feedback_dtype())
-        refuse_unsupported(unit, weights_quantized=all_gather.codec is not None, grads_quantized=reduce_scatter.codec is not None)
-        reduce_scatter.owner_offset = owner_offset
-        all_gather.overlap = reduce_scatter.overlap = overlap
-        # find_units refused units with several param groups: one, or none for a unit without parameters
-        # (which never reduce-scatters).
-        groups = torch_internals.param_groups(torch_internals.fsdp_state(unit.modules[0]))
-        reduce_scatter.param_group = groups[0] if groups else None
-        plans.append(plan)
-        grad_plans.append(grad_plan)
-        all_gathers.append(all_gather)
-        reduce_scatters.append(reduce_scatter)
-        if replicas > 1:
-            owner = owner_offset + shard_rank
-            # the all-reduce hook sums the reduce-scatter's output: the gradient plan's layout
-            replica_all_reduces.append(ReplicaAllReduce(grad_plan, config.replica_grad_codec(), seeds, meter, replica_group, owner, buffers))
-    # Every check passed: only now change the units.
-    for index, (unit, all_gather, reduce_scatter) in enumerate(zip(units, all_gathers, reduce_scatters, strict=True)):
-        for module in unit.modules:
-            if reduce_scatter.needs_forced_sum or replicas > 1:
-                # SUM transport; FSDP2 divides afterwards (by P, or the user's gradient divide factor).
-                module.set_force_sum_reduction_for_comms(True)
-            if replicas > 1:
-                # FSDP2 on the 1-D mesh would divide by S only; the hook summed over R replicas too.
-                if unit.gradient_divide_factor is None:
-                    module.set_gradient_divide_factor(float(world_size * replicas))
-                module.set_all_reduce_hook(replica_all_reduces[index])
-            module.set_custom_all_gather(all_gather)
-            module.set_custom_reduce_scatter(reduce_scatter)
+    shared = _shared_state(units, config, default_meter if meter is None else meter, replica_group)
+    plans = [_unit_plans(unit, config) for unit in units]
+    # Every check runs in building the comms (refuse_unsupported): only then change the units.
+    comms = [build_unit_comms(unit, plan, grad_plan, shared) for unit, (plan, grad_plan) in zip(units, plans, strict=True)]
+    for unit, unit_comms in zip(units, comms, strict=True):
+        unit_comms.install(unit, shared.world_size * shared.replicas)
     if config.prefetch:
         apply_prefetch(model)
     handle = QSDPHandle(
-        config, units, plans, all_gathers, reduce_scatters, seeds, world_size, replica_all_reduces, replicas, overlap, grad_plans=grad_plans
-    )
+        config, units, [plan for plan, _ in plans], [c.all_gather for c in comms], [c.reduce_scatter for c in comms], shared.seeds,
+        shared.world_size, [c.replica for c in comms if c.replica is not None], shared.replicas, shared.overlap,
+        grad_plans=[grad_plan for _, grad_plan in plans],
+    )  # fmt: skip
     for optimizer in optimizers:
         handle.attach_optimizer(optimizer)
     logger.debug("QSDP installed on %d FSDP units: %s", len(units), handle.describe())
     return handle
+
+
+def _shared_state(units: list[FSDPUnit], config: QSDPConfig, meter: WireMeter, replica_group: dist.ProcessGroup | None) -> SharedComms:
+    """What every unit's comms share; the replica checks run here, before any collective."""
+    world_size = max(unit.world_size for unit in units)
+    replicas = _check_replica_group(units, replica_group)
+    owner_offset = owner = 0
+    if replicas > 1:
+        # The rank among all ranks of the model (replica * S + shard rank), from the shard group itself:
+        # a unit without parameters (a root over the blocks) has no mesh to ask.
+        owner_offset = replica_group.rank() * world_size
+        owner = owner_offset + shard_group(units, "install_qsdp").rank()
+    return SharedComms(
+        config=config,
+        seeds=SeedSchedule(config.seed),
+        meter=meter,
+        buffers=BufferPool(),  # one per model: units of equal size share their buffers
+        # One per model: pending reduce-scatters finish in the order they started, whichever unit.
+        overlap=ReduceScatterOverlap() if config.overlap_reduce_scatter else None,
+        world_size=world_size,
+        replica_group=replica_group if replicas > 1 else None,
+        replicas=replicas,
+        owner_offset=owner_offset,
+        owner=owner,
+    )
 
 
 def _unit_plans(unit: FSDPUnit, config: QSDPConfig) -> tuple[UnitPlan, UnitPlan]:
@@ -310,40 +312,3 @@ def _check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup
             f"set_all_reduce_hook); hierarchical QSDP cannot combine it with its own. {advice}"
         )
     return check_replica_group(units, replica_group, "install_qsdp")
-
-
-def refuse_unsupported(unit: FSDPUnit, *, weights_quantized: bool, grads_quantized: bool) -> None:
-    """Raise NotImplementedError for a quantized unit whose FSDP2 buffers QSDP cannot read correctly.
-
-    - Several all-gather dtypes: FSDP2 then gathers one uint8 byte buffer, so the segment map (in
-      elements of one dtype) no longer matches it. Stock FSDP2 also refuses to reduce-scatter
-      gradients of several dtypes.
-    - Tensor-subclass all-gather extensions (``fsdp_pre_all_gather``): the all-gather input is
-      not the parameter's shard.
-    - ``reshard_after_forward=<int>``: after forward every rank keeps a slice of the *decoded*
-      weights and backward re-gathers those within a smaller group, so the backward weights are no
-      longer bit-identical to the forward ones (only with quantized weights).
-    """
-    if not (weights_quantized or grads_quantized):
-        return
-    dtypes = set(unit.all_gather_dtypes)
-    if len(dtypes) > 1:
-        listed = ", ".join(f"{name}: {dtype}" for name, dtype in zip(unit.param_names, unit.all_gather_dtypes, strict=False))
-        raise NotImplementedError(
-            f"QSDP: FSDP unit {unit.name} all-gathers parameters of several dtypes ({listed}); FSDP2 then moves "
-            "one byte buffer that QSDP's per-element segment map cannot read. Give the unit one dtype (cast the "
-            "module, or a MixedPrecisionPolicy with param_dtype), or turn both QSDP paths off"
-        )
-    if unit.custom_extension and weights_quantized:
-        raise NotImplementedError(
-            f"QSDP: FSDP unit {unit.name} has parameters with tensor-subclass all-gather extensions "
-            f"(fsdp_pre_all_gather: {', '.join(unit.custom_extension)}); QSDP quantizes plain shards only. "
-            "Set weight_bits='off' for such a model"
-        )
-    if unit.reshard_after_forward_size is not None and weights_quantized:
-        raise NotImplementedError(
-            f"QSDP: FSDP unit {unit.name} was sharded with reshard_after_forward={unit.reshard_after_forward_size} "
-            "(an int): backward would re-gather already decoded weights within a smaller group, so forward and "
-            "backward would no longer compute with bit-identical weights. Use reshard_after_forward=True or False, "
-            "or weight_bits='off'"
-        )

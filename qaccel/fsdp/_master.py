@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import WireCodec, decode_chunk, encode_chunk
-from ._comms import UnitPlan
+from ._plan import UnitPlan
 from ._units import FSDPUnit
 
 __all__ = ["requantize_shards"]

@@ -2,7 +2,7 @@
 
 HSDP shards a model within a node (S ranks) and replicates it across nodes (R replicas). FSDP2's
 native HSDP all-reduce cannot be replaced, so hierarchical QSDP shards every unit on the 1-D
-intra-node mesh and registers :class:`ReplicaAllReduce` with ``FSDPModule.set_all_reduce_hook``:
+intra-node mesh and registers a :class:`ReplicaAllReduce` with ``FSDPModule.set_all_reduce_hook``:
 FSDP2 calls it with the reduce-scatter output (the summed gradient shard of this node) before its
 post-divide, and the hook sums it over the replica group in place (``docs/qsdp.md``,
 "Hierarchical QSDP").
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -28,19 +29,22 @@ from ..comm import (
     BufferPool,
     CollectiveTally,
     PayloadLayout,
+    PhaseTimer,
     WireCodec,
     WireMeter,
     quantized_all_gather,
     quantized_reduce_scatter,
     ring_all_reduce_bytes,
 )
-from ._comms import UnitPlan, _UnitComm
+from ._plan import UnitPlan, merge_segments, segments_numel
 from ._seeds import Direction, SeedSchedule
 from ._units import AllReduceHook, HookOwner
 
 __all__ = [
     "ReplicaAllReduce",
+    "QuantizedReplicaAllReduce",
     "ReplicaChunking",
+    "ReplicaPiece",
     "bytes_by_level",
     "KIND_REPLICA_RS",
     "KIND_REPLICA_AG",
@@ -80,7 +84,9 @@ def bytes_by_level(tallies: Mapping[str, CollectiveTally]) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
-class _Piece:
+class ReplicaPiece:
+    """Where one segment of a gradient shard goes in the replica chunks."""
+
     offset: int  # of the segment in the shard
     numel: int  # of the segment
     piece: int  # elements of the segment in each chunk (ceil(numel / R))
@@ -92,37 +98,35 @@ class ReplicaChunking:
     """How a gradient shard is cut into ``replicas`` chunks that share one segment map.
 
     Segment ``i`` of ``n_i`` elements contributes ``ceil(n_i / R)`` elements to every chunk (zeros
-    past its end), as FSDP2 pads each parameter to a multiple of the mesh size; adjacent raw pieces
-    form one raw segment of the chunk, as in :meth:`UnitPlan.build`.
+    past its end), as FSDP2 pads each parameter to a multiple of the mesh size; the pieces form the
+    chunk's segment map by the same rule as :meth:`UnitPlan.build` (:func:`merge_segments`).
     """
 
     segments: tuple[tuple[int, bool], ...]
     replicas: int
-    pieces: tuple[_Piece, ...] = field(init=False)
-    chunk_segments: tuple[tuple[int, bool], ...] = field(init=False)
 
-    def __post_init__(self) -> None:
-        pieces, chunk_segments = [], []
+    @cached_property
+    def pieces(self) -> tuple[ReplicaPiece, ...]:
+        pieces = []
         offset = chunk_offset = 0
-        for numel, quantize in self.segments:
+        for numel, _ in self.segments:
             piece = math.ceil(numel / self.replicas)
-            pieces.append(_Piece(offset, numel, piece, chunk_offset))
-            if chunk_segments and not quantize and not chunk_segments[-1][1]:
-                chunk_segments[-1] = (chunk_segments[-1][0] + piece, False)
-            elif piece:
-                chunk_segments.append((piece, quantize))
+            pieces.append(ReplicaPiece(offset, numel, piece, chunk_offset))
             offset += numel
             chunk_offset += piece
-        object.__setattr__(self, "pieces", tuple(pieces))
-        object.__setattr__(self, "chunk_segments", tuple(chunk_segments))
+        return tuple(pieces)
+
+    @cached_property
+    def chunk_segments(self) -> tuple[tuple[int, bool], ...]:
+        return merge_segments((p.piece, quantize) for p, (_, quantize) in zip(self.pieces, self.segments, strict=True))
 
     @property
     def shard_numel(self) -> int:
-        return sum(n for n, _ in self.segments)
+        return segments_numel(self.segments)
 
     @property
     def chunk_numel(self) -> int:
-        return sum(n for n, _ in self.chunk_segments)
+        return segments_numel(self.chunk_segments)
 
     def split(self, shard: torch.Tensor, chunks: torch.Tensor) -> None:
         """Write ``shard`` into ``chunks`` (``replicas x chunk_numel``, row ``j`` = chunk ``j``)."""
@@ -149,43 +153,74 @@ class ReplicaChunking:
                 shard[p.offset + full * p.piece : p.offset + p.numel].copy_(columns[full, :rest])
 
 
-class ReplicaAllReduce(_UnitComm, AllReduceHook):
-    """``FSDPModule.set_all_reduce_hook`` callable: sums a unit's gradient shard over the replica group in place.
+class ReplicaAllReduce(AllReduceHook):
+    """``FSDPModule.set_all_reduce_hook`` callable: sums a unit's gradient shard over the replica group in place, exactly.
+
+    An fp32 ``all_reduce(SUM)`` (``replica_grad_bits`` off, or a unit that stays on the stock
+    intra-node collectives: it is small). :class:`QuantizedReplicaAllReduce` puts k-bit codes on the
+    wire instead.
 
     Args:
-        plan: the unit's segment map (the reduce-scatter output has the same layout).
-        codec: the quantizer across replicas (``QSDPConfig.replica_grad_codec()``), or ``None``
-            for an exact all-reduce. Units that stay on the stock intra-node collectives
-            (``plan.enabled`` False) all-reduce exactly too: they are small.
-        seeds: the model's seed schedule.
-        meter: where bytes are recorded (kinds in :data:`INTER_NODE_KINDS`).
         group: the replica process group (the ranks holding this rank's shard on other nodes).
-        owner: this rank's index among all ranks of the model (``replica * S + shard rank``).
-        buffers: the model's buffer pool for the staging blobs.
+        meter: where bytes are recorded (kind ``hsdp.replica_all_reduce``).
     """
 
     hook_owner = HookOwner.HIERARCHICAL_QSDP
 
+    def __init__(self, group: dist.ProcessGroup, meter: WireMeter) -> None:
+        self.group = group
+        self.meter = meter
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        nbytes = ring_all_reduce_bytes(reduce_output.numel() * reduce_output.element_size(), self.group.size())
+        self.meter.record(KIND_REPLICA_AR, sent_bytes=nbytes, recv_bytes=nbytes)
+        dist.all_reduce(reduce_output, op=dist.ReduceOp.SUM, group=self.group)
+
+
+class QuantizedReplicaAllReduce(ReplicaAllReduce):
+    """The all-reduce across replicas as a quantized reduce-scatter plus a quantized all-gather of R chunks.
+
+    The shard is cut into R chunks with one segment map (:class:`ReplicaChunking`); chunk ``j`` is
+    summed on replica ``j`` from k-bit codes, then every replica gathers and decodes every summed
+    chunk, the owner included, so the replicas end bit-identical.
+
+    Args:
+        plan: the unit's gradient segment map (the reduce-scatter output has the same layout).
+        codec: the quantizer across replicas (``QSDPConfig.replica_grad_codec()``).
+        seeds: the model's seed schedule.
+        meter: where bytes are recorded (``qsdp.replica_reduce_scatter`` / ``qsdp.replica_all_gather``).
+        group: the replica process group.
+        owner: this rank's index among all ranks of the model (``replica * S + shard rank``).
+        buffers: the model's buffer pool for the staging blobs.
+        timer: splits each collective into encode / transport / decode (None: off).
+    """
+
     def __init__(
         self,
         plan: UnitPlan,
-        codec: WireCodec | None,
+        codec: WireCodec,
         seeds: SeedSchedule,
         meter: WireMeter,
         group: dist.ProcessGroup,
         owner: int,
         buffers: BufferPool | None = None,
+        *,
+        timer: PhaseTimer | None = None,
     ) -> None:
-        super().__init__(plan, codec, seeds, meter, buffers)
-        self.group = group
+        super().__init__(group, meter)
+        self.plan = plan
+        self.codec = codec
+        self.seeds = seeds
         self.owner = owner
+        self.buffers = BufferPool() if buffers is None else buffers
+        self.timer = timer
         self._chunking: dict[tuple[int, torch.dtype], tuple[ReplicaChunking, PayloadLayout]] = {}
 
     def _plan_for(self, numel: int, dtype: torch.dtype) -> tuple[ReplicaChunking, PayloadLayout]:
         key = (numel, dtype)
         if key not in self._chunking:
             segments = self.plan.segments
-            if sum(n for n, _ in segments) != numel:
+            if self.plan.numel != numel:
                 # Same fallback as the intra-node comm (which warns once): uniform buckets.
                 segments = ((numel, True),)
             chunking = ReplicaChunking(segments, self.group.size())
@@ -195,11 +230,6 @@ class ReplicaAllReduce(_UnitComm, AllReduceHook):
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         replicas = self.group.size()
-        if self.codec is None:
-            nbytes = ring_all_reduce_bytes(reduce_output.numel() * reduce_output.element_size(), replicas)
-            self.meter.record(KIND_REPLICA_AR, sent_bytes=nbytes, recv_bytes=nbytes)
-            dist.all_reduce(reduce_output, op=dist.ReduceOp.SUM, group=self.group)
-            return
         flat = reduce_output.view(-1)
         chunking, layout = self._plan_for(flat.numel(), flat.dtype)
         chunks = torch.empty(replicas, chunking.chunk_numel, dtype=flat.dtype, device=flat.device)

@@ -41,8 +41,18 @@ import torch
 import torch.distributed as dist
 
 from .. import _torch_internals as torch_internals
+from ._comms import (
+    AllGather,
+    CountedAllGather,
+    CountedReduceScatter,
+    QSDPComm,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
+    ReduceScatter,
+)
+from ._plan import padded_shard_numel
 
-__all__ = ["ReduceScatterOverlap", "FSDPTail"]
+__all__ = ["ReduceScatterOverlap", "FSDPTail", "OverlappedReduceScatter", "SettlingAllGather"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +92,8 @@ class FSDPTail:
                 )
                 grad = torch_internals.sharded_param(fsdp_param).grad
                 grad.to_local().add_(piece)  # FSDP2's own accumulation: `grad._local_tensor += new_sharded_grad`
-                offset += _padded_shard_numel(torch_internals.sharded_param(fsdp_param).shape, self.world)
-
-
-def _padded_shard_numel(shape: torch.Size, world: int) -> int:
-    # FSDP2's per-parameter stride through the flat output: dim 0 padded to a multiple of the world size.
-    return math.ceil(shape[0] / world) * math.prod(shape[1:]) if len(shape) else 1
+                # FSDP2's per-parameter stride through the flat output: dim 0 padded to a multiple of the world size.
+                offset += padded_shard_numel(torch_internals.sharded_param(fsdp_param).shape, self.world)
 
 
 class _Pending:
@@ -149,7 +155,7 @@ class ReduceScatterOverlap:
                 return "post-accumulate-grad hook"
             if torch_internals.param_shard_dim(fsdp_param) != 0:
                 return "shard dim"
-        if sum(_padded_shard_numel(torch_internals.sharded_param(p).shape, world) for p in fsdp_params) != output.numel():
+        if sum(padded_shard_numel(torch_internals.sharded_param(p).shape, world) for p in fsdp_params) != output.numel():
             return "partial gradients"  # some parameters had no gradient: FSDP2 reduced a subset
         # FSDP2's own choice, computed the way foreach_reduce computes it (a 1-D mesh: no all-reduce group).
         _, post_divide, expected_op, _ = torch_internals.gradient_divide_factors()(
@@ -220,3 +226,63 @@ class ReduceScatterOverlap:
             self.dropped += 1
         self._callback_tasks.clear()
 
+
+class OverlappedReduceScatter(QSDPComm, ReduceScatter):
+    """A unit's reduce-scatter (quantized or counted) that, on CPU, returns with its transport running.
+
+    A synchronous CPU call whose output FSDP2 only divides, casts and turns into gradients
+    (:meth:`ReduceScatterOverlap.plan`) starts ``transport`` asynchronously into a pooled buffer,
+    leaves ``-0.0`` in FSDP2's output and returns; ``overlap`` finishes it before backward ends. Any
+    other call runs ``transport`` as it is. Seeds and error feedback advance at the call, as without
+    the overlap, so gradients are bit-identical either way (``QSDPConfig.overlap_reduce_scatter``).
+
+    Args:
+        transport: the unit's reduce-scatter comm.
+        overlap: the model's pending reduce-scatters.
+        param_group: the unit's ``FSDPParamGroup``, whose use of the output a started call replays.
+    """
+
+    def __init__(self, transport: QuantizedReduceScatter | CountedReduceScatter, overlap: ReduceScatterOverlap, param_group: Any) -> None:
+        super().__init__(transport.buffers, transport.pool_min_numel)
+        self.transport = transport
+        self.overlap = overlap
+        self.param_group = param_group
+
+    @property
+    def needs_forced_sum(self) -> bool:
+        return self.transport.needs_forced_sum
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False
+    ) -> dist.Work | None:
+        if async_op or output_tensor.device.type != "cpu":
+            return self.transport(output_tensor, input_tensor, group, op, async_op)  # FSDP2 orders it in a stream already
+        tail = self.overlap.plan(self.param_group, group, output_tensor, op)
+        if not isinstance(tail, FSDPTail):
+            self.overlap.fall_back(tail)
+            return self.transport(output_tensor, input_tensor, group, op, async_op)
+        reduced = self.buffers.get(output_tensor.numel(), output_tensor.dtype, output_tensor.device).view(output_tensor.shape)
+        self.overlap.start(lambda into: self.transport(into, input_tensor, group, op, async_op=True), output_tensor, tail, reduced)
+        return None
+
+
+class SettlingAllGather(QSDPComm, AllGather):
+    """A unit's all-gather that first settles the reduce-scatters a backward that raised left pending.
+
+    The first collective after such a backward is an all-gather (the next forward): it waits on the
+    stale transports and drops their gradients (:meth:`ReduceScatterOverlap.drop_stale`) before
+    anything new goes on the wire.
+
+    Args:
+        transport: the unit's all-gather comm.
+        overlap: the model's pending reduce-scatters.
+    """
+
+    def __init__(self, transport: QuantizedAllGather | CountedAllGather, overlap: ReduceScatterOverlap) -> None:
+        super().__init__(transport.buffers, transport.pool_min_numel)
+        self.transport = transport
+        self.overlap = overlap
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        self.overlap.drop_stale()
+        return self.transport(output_tensor, input_tensor, group, async_op)

@@ -17,7 +17,6 @@ uses uniform buckets.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,9 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DeviceMesh, DTensor
 
 from .. import _torch_internals as torch_internals
+from ._comms import QSDPComm
+from ._plan import padded_shard_numel
 
 __all__ = [
     "AllReduceHook",
@@ -35,8 +36,8 @@ __all__ = [
     "HookOwner",
     "find_units",
     "check_replica_group",
-    "padded_shard_numel",
     "require_custom_comms",
+    "shard_group",
 ]
 
 
@@ -62,13 +63,6 @@ def require_custom_comms() -> None:
             f"QSDP needs FSDP2 custom comms (FSDPModule.set_custom_all_gather, torch >= 2.9); "
             f"this is torch {torch.__version__}"
         )
-
-
-def padded_shard_numel(shape: torch.Size, world_size: int) -> int:
-    """Elements of one rank's padded dim-0 shard of a parameter of ``shape``."""
-    if len(shape) == 0:
-        return 1
-    return math.ceil(shape[0] / world_size) * math.prod(shape[1:])
 
 
 @dataclass
@@ -178,14 +172,7 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
                     "its replica all-reduce cannot be replaced. For HSDP use hierarchical QSDP: shard on the 1-D intra-node "
                     "mesh and pass install_qsdp(..., replica_group=...) (docs/qsdp.md, 'Hierarchical QSDP')"
                 )
-        for group in groups:
-            for attr, comm in torch_internals.installed_comms(group).items():
-                if comm is not None and not type(comm).__name__.startswith(("Default", "Quantized")):
-                    raise ValueError(
-                        f"QSDP: FSDP unit {name or '<root>'} already has a custom comm {type(comm).__name__} "
-                        f"({attr}); do not combine QSDP with set_allocate_memory_from_process_group_for_comm "
-                        "or symmetric-memory comms"
-                    )
+        _refuse_foreign_comms(name or "<root>", groups)
         world_size = next(iter(meshes)).size() if meshes else 1
         hook = _all_reduce_hook(groups)
         unit = FSDPUnit(
@@ -207,6 +194,35 @@ def find_units(model: nn.Module) -> list[FSDPUnit]:
     return units
 
 
+def _refuse_foreign_comms(name: str, groups: list) -> None:
+    """Raise ValueError when a unit carries a comm that is neither FSDP2's default nor QSDP's (a re-install)."""
+    ours = (*torch_internals.fsdp2_default_comm_types(), QSDPComm)
+    for group in groups:
+        for attr, comm in torch_internals.installed_comms(group).items():
+            if comm is not None and not isinstance(comm, ours):
+                raise ValueError(
+                    f"QSDP: FSDP unit {name} already has a custom comm {type(comm).__name__} "
+                    f"({attr}); do not combine QSDP with set_allocate_memory_from_process_group_for_comm "
+                    "or symmetric-memory comms"
+                )
+
+
+def _shard_mesh(units: list[FSDPUnit], caller: str) -> DeviceMesh:
+    meshes = {unit.params[0].device_mesh for unit in units if unit.params}
+    if len(meshes) != 1:
+        raise ValueError(f"{caller}(replica_group=...): the units are sharded on {len(meshes)} different meshes; one intra-node mesh is needed")
+    return next(iter(meshes))
+
+
+def shard_group(units: list[FSDPUnit], caller: str) -> dist.ProcessGroup:
+    """The process group of the one 1-D mesh ``units`` are sharded on (units without parameters have none).
+
+    Raises:
+        ValueError: the units are sharded on several meshes, or none holds a parameter.
+    """
+    return _shard_mesh(units, caller).get_group()
+
+
 def check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup, caller: str) -> int:
     """The replica count R; raise ValueError when ``replica_group`` cannot be the replicas of this rank's shard.
 
@@ -218,10 +234,7 @@ def check_replica_group(units: list[FSDPUnit], replica_group: dist.ProcessGroup,
         replica_group: the ranks that hold this rank's shard on the other nodes.
         caller: the public function checking (``install_qsdp``, ``register_hsdp_comm_hook``), for messages.
     """
-    meshes = {unit.params[0].device_mesh for unit in units if unit.params}
-    if len(meshes) != 1:
-        raise ValueError(f"{caller}(replica_group=...): the units are sharded on {len(meshes)} different meshes; one intra-node mesh is needed")
-    shard_ranks = set(next(iter(meshes)).mesh.flatten().tolist())
+    shard_ranks = set(_shard_mesh(units, caller).mesh.flatten().tolist())
     replica_ranks = set(dist.get_process_group_ranks(replica_group))
     me, replicas, world = dist.get_rank(), len(replica_ranks), dist.get_world_size()
     if me not in replica_ranks or shard_ranks & replica_ranks != {me} or len(shard_ranks) * replicas != world:

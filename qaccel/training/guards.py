@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._torch_internals import foreach_norm
+from .._torch_internals import all_gather_single, foreach_norm
 
 __all__ = [
     "ENV_CHECK_REPLICAS",
@@ -244,7 +244,7 @@ class ReplicaGuard:
         mine = torch.tensor(digests, dtype=torch.int64)
         device = next(self.model.parameters()).device
         rows = torch.empty(world_size * mine.numel(), dtype=torch.int64, device=device)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine.to(device), group=self.group)
+        all_gather_single(rows, mine.to(device), self.group)
         rows = rows.view(world_size, -1).cpu()
         differ = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
         if differ:

@@ -86,7 +86,7 @@ def _uninterrupted_worker(rank, world_size, ckpt_dir):
     from torch.distributed.fsdp import FSDPModule
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from qaccel.fsdp import QuantizedAllGather, QuantizedReduceScatter
+    from qaccel.fsdp import CountedAllGather, CountedReduceScatter, QuantizedAllGather, QuantizedReduceScatter
     from qaccel.integration.cpu_fsdp import enable_fsdp2_on_cpu
 
     out = {}
@@ -116,8 +116,12 @@ def _uninterrupted_worker(rank, world_size, ckpt_dir):
     out["fsdp_modules"] = len(fsdp_modules)
     out["comms"] = sorted(set(comms))
     out["quantized_units"] = sum(1 for u in accelerator.qsdp.describe() if u["weights_quantized"] and u["grads_quantized"])
-    out["comm_classes_ok"] = all(isinstance(a, QuantizedAllGather) and isinstance(r, QuantizedReduceScatter)
-                                 for a, r in zip(accelerator.qsdp.all_gathers, accelerator.qsdp.reduce_scatters, strict=True))
+    # Each unit's transport: quantized where describe() says so, FSDP2's own collective counted elsewhere.
+    out["comm_classes_ok"] = all(
+        isinstance(a, QuantizedAllGather if u["weights_quantized"] else CountedAllGather)
+        and isinstance(r, QuantizedReduceScatter if u["grads_quantized"] else CountedReduceScatter)
+        for a, r, u in zip(accelerator.qsdp.all_gathers, accelerator.qsdp.reduce_scatters, accelerator.qsdp.describe(), strict=True)
+    )
 
     losses = []
     for step, (tokens,) in enumerate(loader):
@@ -191,8 +195,9 @@ def test_qsdp_through_accelerate_on_cpu(uninterrupted):
         assert out["callers_plugin_untouched"]
         assert "needs a MULTI_CPU state" in out["second_call"]
         assert out["prepare_returns"] == "list"
-        # Every FSDP module got both comms: the setters do not recurse, the installer does.
-        assert out["comms"] == [("QuantizedAllGather", "QuantizedReduceScatter")]
+        # Every FSDP module got both comms: the setters do not recurse, the installer does. With the
+        # overlapped reduce-scatter on (the default) FSDP2 calls the wrappers around the transports.
+        assert out["comms"] == [("SettlingAllGather", "OverlappedReduceScatter")]
         assert out["fsdp_modules"] >= 4 and out["quantized_units"] >= 3 and out["comm_classes_ok"]
         assert len(out["losses"]) == SAVE_AFTER and all(torch.isfinite(torch.tensor(out["losses"])))
         total = out["stats"]["total"]

@@ -94,7 +94,7 @@ def _plans_bytes_and_gradients(rank, world_size):
     meter = WireMeter()
     config = QSDPConfig(weight_bits=8, grad_bits=8, unit_min_numel=0)
     warnings = _Warnings()
-    logging.getLogger("qaccel.fsdp._comms").addHandler(warnings)
+    logging.getLogger("qaccel.fsdp").addHandler(warnings)
     handle = install_qsdp(model, config, optimizers=[optimizer], meter=meter)
     out["plans"] = [
         (unit.name, sum(n for n, _ in plan.segments), sum(n for n, _ in grad_plan.segments))
@@ -104,7 +104,7 @@ def _plans_bytes_and_gradients(rank, world_size):
     calls = []
     with counting_collectives(calls):
         train_step(model, optimizer, batch(rank, 0))
-    logging.getLogger("qaccel.fsdp._comms").removeHandler(warnings)
+    logging.getLogger("qaccel.fsdp").removeHandler(warnings)
     out["warnings"] = warnings.messages
     out["calls"] = calls
     out["metered"] = {kind: total.sent_bytes for kind, total in meter.end_step().items()}

@@ -195,8 +195,7 @@ def _resumed(rank, world_size, ckpt_dir, zero_errors):
     accelerator.load_state(ckpt_dir)
     restored = {name: tensor.abs().sum().item() for name, tensor in accelerator.qsdp.error_state().items()}
     if zero_errors:
-        for rs in accelerator.qsdp.reduce_scatters:
-            rs.load_error_state(None)
+        accelerator.qsdp.load_error_state({}, accelerator.qsdp.world_size)  # every buffer back to zero
     out = {"restored": restored, "step": accelerator.qsdp.seeds.step}
     out["losses"] = [_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
     out["params_at_end"] = _full_params(model)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .._torch_internals import all_gather_single
 from ..quant import SignCompressed, sign_compress, sign_decompress
 from ._accounting import WireMeter, default_meter
 
@@ -354,11 +355,6 @@ def _scales(rows: torch.Tensor, scale_bytes: int) -> torch.Tensor:
     return scales
 
 
-def _all_gather_single():
-    # torch 2.13 renamed all_gather_into_tensor (the old name warns); older releases only have the old one.
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, meter: WireMeter, kind: str) -> torch.Tensor:
     if world_size == 1:  # nothing leaves the rank: no call, no bytes
         return send
@@ -373,6 +369,6 @@ def _all_gather(row: torch.Tensor, group: dist.ProcessGroup | None, world_size: 
     if world_size == 1:
         return row.view(1, -1)
     gathered = torch.empty(world_size * row.numel(), dtype=row.dtype, device=row.device)  # gloo wants it flat
-    _all_gather_single()(gathered, row, group=group)
+    all_gather_single(gathered, row, group)
     meter.record(kind, sent_bytes=(world_size - 1) * row.numel(), recv_bytes=(world_size - 1) * row.numel())
     return gathered.view(world_size, row.numel())

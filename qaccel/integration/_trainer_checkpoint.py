@@ -7,8 +7,8 @@ the RNG states itself. What ``qaccel.Accelerator`` would have added to ``save_st
 - QSDP: ``qaccel_qsdp.json`` (main process): the seed schedule's step, seed, world size and config,
   so a resumed run draws the same rounding noise as an uninterrupted one.
 - 0/1 Adam / 1-bit Adam: ``qaccel_zoadam_rank{r}.pt`` (every rank): that rank's error buffers, momentum
-  accumulator and, between 0/1 Adam syncs, its local weights; written and staged by the same functions
-  ``save_state`` / ``load_state`` use, so the files and their checks are identical.
+  accumulator and, between 0/1 Adam syncs, its local weights; written and staged by the accelerator's
+  ``onebit_wiring``, as ``save_state`` / ``load_state`` do, so the files and their checks are identical.
 
 The file names and the atomic writer are ``qaccel.checkpoint``'s; ``TrainingArguments.save_total_limit``
 rotates these folders through transformers' own rotation, after the new checkpoint is written.
@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import _zero_one_adam
 from ._qsdp import read_qsdp_state, write_qsdp_state
 
 __all__ = ["save_qaccel_state", "stage_onebit_state", "load_qsdp_state"]
@@ -36,12 +35,12 @@ def save_qaccel_state(accelerator: Any, output_dir: str | os.PathLike) -> None:
     handle = getattr(accelerator, "qsdp", None)
     if handle is not None:
         write_qsdp_state(handle, output_dir, accelerator.process_index, accelerator.is_main_process)
-    _zero_one_adam._save_hook(accelerator)([], [], str(output_dir))
+    accelerator.onebit_wiring.save_rank_state(str(output_dir))
 
 
 def stage_onebit_state(accelerator: Any, checkpoint: str | os.PathLike) -> None:
     """Stage this rank's 1-bit optimizer file so the next ``optimizer.load_state_dict`` restores it."""
-    _zero_one_adam._load_hook(accelerator)([], str(checkpoint))
+    accelerator.onebit_wiring.stage_rank_state(str(checkpoint))
 
 
 def load_qsdp_state(accelerator: Any, checkpoint: str | os.PathLike) -> None:

@@ -17,7 +17,6 @@ private names are reached through :mod:`qaccel.integration._transformers_interna
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any
@@ -132,7 +131,7 @@ def onebit_clipping(optimizer: OneBitOptimizerBase, max_grad_norm: float) -> Non
             f"gradient_clipping={own}; the optimizer clips (with a rank-consistent norm), so set max_grad_norm={own} "
             "or max_grad_norm=0"
         )
-    optimizer.config = dataclasses.replace(optimizer.config, gradient_clipping=float(max_grad_norm))
+    optimizer.set_gradient_clipping(float(max_grad_norm))
 
 
 def qsdp_plugin_for(args: Any, qsdp: QSDPConfig) -> QSDPPlugin:

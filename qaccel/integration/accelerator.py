@@ -16,7 +16,8 @@ from typing import Any
 import accelerate
 
 from ..comm import WireMeter, default_meter
-from . import _cpu_launch, _qsdp, _zero_one_adam
+from . import _cpu_launch, _qsdp
+from ._zero_one_adam import OneBitWiring
 
 _INIT_PARAMETERS = tuple(inspect.signature(accelerate.Accelerator.__init__).parameters)[1:]  # without self
 
@@ -44,6 +45,11 @@ class Accelerator(accelerate.Accelerator):
             ``MULTI_CPU`` group over gloo (stock Accelerate would run each one alone).
         wire_meter: where collectives record their bytes (default: the process-wide meter).
 
+    Attributes:
+        qsdp: the :class:`qaccel.fsdp.QSDPHandle` once a model is prepared with a ``QSDPPlugin``, else None.
+        onebit_wiring: what connects a prepared ZeroOneAdam / OneBitAdam to the prepared model and to
+            checkpoints (its comm hook, its per-rank state files); ``qaccel.Trainer`` saves through it.
+
     Raises:
         ValueError: ``cpu=False`` on a multi-process launch without a usable GPU or other accelerator.
 
@@ -62,33 +68,34 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(**kwargs)
         self.wire_meter = wire_meter if wire_meter is not None else default_meter
         self.qsdp = None  # the QSDPHandle once a model is prepared with a QSDPPlugin
+        self.onebit_wiring = OneBitWiring(self)
         _qsdp.after_init(self, fsdp_plugin=kwargs.get("fsdp_plugin"))
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         _qsdp.before_prepare(self, args)
-        _zero_one_adam.before_prepare(self, args)
+        self.onebit_wiring.before_prepare(args)
         with _qsdp.preparing(self):
             prepared = super().prepare(*args, device_placement=device_placement)
         # Accelerate returns the bare object for one argument and a list otherwise.
         objects = [prepared] if len(args) == 1 else list(prepared)
         _qsdp.after_prepare(self, objects)
-        _zero_one_adam.after_prepare(self, objects)
+        self.onebit_wiring.after_prepare(objects)
         return prepared
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:
         """Accelerate's ``save_state``; a 1-bit optimizer on HSDP shards is written to per-rank files only."""
-        with _zero_one_adam.state_saved_per_rank(self):
+        with self.onebit_wiring.state_saved_per_rank():
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any) -> None:
         """Accelerate's ``load_state``; then a 1-bit optimizer on HSDP shards is restored from its rank file."""
-        with _zero_one_adam.state_saved_per_rank(self):
+        with self.onebit_wiring.state_saved_per_rank():
             super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
-        _zero_one_adam.after_load_state(self)
+        self.onebit_wiring.after_load_state()
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """Accelerate's ``clip_grad_norm_``; warns once when a 1-bit optimizer would clip rank-locally."""
-        _zero_one_adam.before_clip_grad_norm(self)
+        self.onebit_wiring.before_clip_grad_norm()
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def end_training(self) -> None:

@@ -5,12 +5,14 @@
 decided by the optimizer's :class:`CommPlan`, which the DDP hook installed by
 :func:`register_ddp_comm_hook`, or the FSDP2 all-reduce hook installed by :func:`register_hsdp_comm_hook`
 on a model sharded within nodes and replicated across them, reads (``qaccel.Accelerator.prepare``
-installs the right one).
+installs the right one). The hook attaches the optimizer to one :class:`OneBitPlacement` (its groups,
+meter and overlap), and every transport uses only the optimizer's :class:`OneBitPort`.
 """
 
 from ._base import OneBitOptimizerBase
 from ._ddp_hook import OneBitCommHookState, onebit_comm_hook, register_ddp_comm_hook
 from ._hsdp_hook import OneBitReplicaHook, register_hsdp_comm_hook
+from ._port import OneBitPlacement, OneBitPort
 from ._schedule import CommPlan, OneBitAdamSchedule, Phase, StepKind, ZeroOneAdamSchedule, count_step_kinds
 from .config import GRANULARITIES, OneBitAdamConfig, ZeroOneAdamConfig
 from .onebit_adam import OneBitAdam
@@ -23,6 +25,8 @@ __all__ = [
     "OneBitAdamConfig",
     "GRANULARITIES",
     "OneBitOptimizerBase",
+    "OneBitPlacement",
+    "OneBitPort",
     "StepKind",
     "Phase",
     "ZeroOneAdamSchedule",

@@ -2,42 +2,46 @@
 
 The subclasses only choose the schedule and implement the halves of a compressed step
 (``_compressed_payload``, ``_apply_averaged``) and, for 0/1 Adam, ``_step_local``, with the free functions
-of :mod:`qaccel.optim._functional`.
+of :mod:`qaccel.optim._functional`. Transports (the DDP and HSDP hooks, the backward overlap) use the
+public port of :mod:`qaccel.optim._port` only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._torch_internals import foreach_mul_, foreach_norm
-from ..comm import OneBitLayout, WireMeter, compressed_allreduce, default_meter, onebit_layout, ring_all_reduce_bytes
+from ..comm import OneBitLayout, WireMeter, compressed_allreduce, default_meter, onebit_layout
+from ._clip import clip_to_consistent_norm
 from ._functional import adam_direction, descend, update_moments
-from ._overlap import OneBitOverlap
+from ._overlap import OneBitOverlap, overlap_group
+from ._port import OneBitPlacement
 from ._resume import ResumeMixin
-from ._schedule import CommPlan, OneBitAdamSchedule, StepKind, ZeroOneAdamSchedule
+from ._schedule import COMPRESSED_KINDS, CommPlan, OneBitAdamSchedule, StepKind, ZeroOneAdamSchedule
 from ._units import Unit, build_units, unit_grad, unit_params_as_weights, unit_weights, write_back
-from .config import _OneBitConfigBase
+from .config import OneBitConfigBase
 
 __all__ = ["OneBitOptimizerBase", "COMPRESSED_KINDS"]
-
-COMPRESSED_KINDS = frozenset({StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM, StepKind.SYNC})
-"""Step kinds that issue the 1-bit all-reduce (every rank must join it)."""
 
 # Keys DeepSpeed param groups may carry that we cannot honour with these values.
 _GROUP_KEYS_REJECTED = {"non_freeze": (False,), "bias_correction": (False,), "eps_inside_sqrt": (False,), "amsgrad": (False,)}
 
 
 class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
-    """Base class; see :class:`qaccel.optim.ZeroOneAdam` and :class:`qaccel.optim.OneBitAdam`."""
+    """Base class; see :class:`qaccel.optim.ZeroOneAdam` and :class:`qaccel.optim.OneBitAdam`.
+
+    It implements :class:`qaccel.optim.OneBitPort`, all its transports use, and runs on the constructor's
+    group and meter until a comm hook attaches it to a :class:`qaccel.optim.OneBitPlacement` (once).
+    """
 
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        config: _OneBitConfigBase,
+        config: OneBitConfigBase,
         schedule: ZeroOneAdamSchedule | OneBitAdamSchedule,
         process_group: dist.ProcessGroup | None = None,
         wire_meter: WireMeter | None = None,
@@ -45,13 +49,12 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         self.config = config
         self.schedule = schedule
         self.comm_plan = CommPlan(schedule)
-        self.wire_meter = default_meter if wire_meter is None else wire_meter
         self._last_grad_norm: torch.Tensor | float | None = None
-        self._process_group = process_group
-        self._shard_group: dist.ProcessGroup | None = None
-        self._kind_prefix = "onebit"
-        self._comm_hook_required = False
-        self._comm_hook_installed = False
+        # Where it runs until a comm hook attaches it (attach); the constructor's group and meter.
+        self._placement = OneBitPlacement(
+            process_group=process_group, wire_meter=default_meter if wire_meter is None else wire_meter
+        )
+        self._attached = False
         self._overlap: OneBitOverlap | None = None
         self._units: list[Unit] | None = None
         self._init_resume_state()
@@ -92,60 +95,101 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
                 )
         self._units = None
 
-    # ----------------------------------------------------------------------------- topology
-    def set_process_group(self, process_group: dist.ProcessGroup | None) -> None:
-        """Communicate over ``process_group`` (the DDP model's group); None means the default group."""
-        self._process_group = process_group
+    # ------------------------------------------------------------------------------ placement
+    def attach(self, placement: OneBitPlacement) -> None:
+        """Run on ``placement`` from now on: :func:`register_ddp_comm_hook` / :func:`register_hsdp_comm_hook` call this.
+
+        Once per optimizer: attaching the same placement again does nothing, another one raises. With
+        ``placement.overlap_comm`` it creates the overlap thread's process group (a collective: every rank
+        of ``placement.process_group`` attaches, as every rank registers the hook).
+
+        Raises:
+            RuntimeError: the optimizer already runs on another placement.
+        """
+        if not isinstance(placement, OneBitPlacement):
+            raise TypeError(f"{type(self).__name__}.attach: expected a OneBitPlacement, got {type(placement).__name__}")
+        if self._attached:
+            if placement.same_as(self._placement):
+                return
+            raise RuntimeError(
+                f"{type(self).__name__}.attach: already runs on {self._placement!r}, not {placement!r}; a 1-bit "
+                "optimizer's error feedback belongs to one group: build a new optimizer for another model"
+            )
+        if placement.overlap_comm:
+            self._overlap = OneBitOverlap(self, overlap_group(placement.process_group))
+        self._placement = placement
+        self._attached = True
+
+    @property
+    def placement(self) -> OneBitPlacement:
+        """Where the optimizer runs: the constructor's group and meter until a comm hook attaches it."""
+        return self._placement
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        return self._process_group
-
-    def set_shard_group(self, shard_group: dist.ProcessGroup) -> None:
-        """Parameters sharded over ``shard_group`` (HSDP: the ranks of one node), replicated over the process group.
-
-        :func:`qaccel.optim.register_hsdp_comm_hook` calls this. Gradient norms for clipping then add the
-        shards' squares over ``shard_group``; the 1-bit all-reduce, the replica checks and every other
-        collective stay on the process group (the replicas of this rank's shard), whose bytes the meter
-        records as ``hsdp.onebit.*`` (inter-node).
-        """
-        self._shard_group = shard_group
-        self._kind_prefix = "hsdp.onebit"
+        return self._placement.process_group
 
     @property
     def shard_group(self) -> dist.ProcessGroup | None:
-        return self._shard_group
+        return self._placement.shard_group
+
+    @property
+    def wire_meter(self) -> WireMeter:
+        """Where the optimizer's collectives record their bytes (the placement's meter)."""
+        return self._placement.wire_meter
 
     @property
     def is_sharded(self) -> bool:
-        """Runs on HSDP shards (:meth:`set_shard_group` was called): every rank's state is its own."""
-        return self._shard_group is not None
+        """Runs on HSDP shards (attached with a shard group): every rank's state is its own."""
+        return self._placement.shard_group is not None
 
     def shard_ranks(self) -> int:
         """Ranks the parameters are sharded over (1 for DDP replicas)."""
-        return dist.get_world_size(self._shard_group) if self._shard_group is not None else 1
-
-    def require_comm_hook(self) -> None:
-        """Refuse to step until :func:`qaccel.optim.register_ddp_comm_hook` has run (multi-process runs)."""
-        self._comm_hook_required = True
+        shard_group = self._placement.shard_group
+        return dist.get_world_size(shard_group) if shard_group is not None else 1
 
     @property
     def comm_hook_installed(self) -> bool:
-        return self._comm_hook_installed
-
-    def _mark_comm_hook_installed(self) -> None:
-        self._comm_hook_installed = True
+        """A comm hook attached the optimizer (:meth:`attach`): it decides when gradients are all-reduced."""
+        return self._attached
 
     def world_size(self) -> int:
         """Ranks that average: the group's size, or 1 when torch.distributed is not initialized."""
         if not (dist.is_available() and dist.is_initialized()):
             return 1
-        return dist.get_world_size(self._process_group)
+        return dist.get_world_size(self._placement.process_group)
 
-    def _units_now(self) -> list[Unit]:
+    def set_gradient_clipping(self, max_norm: float) -> None:
+        """Clip at ``max_norm`` from the next step on (``config.gradient_clipping``; 0 disables).
+
+        ``qaccel.Trainer`` hands ``TrainingArguments.max_grad_norm`` over here. The config is replaced
+        (``dataclasses.replace``, validated again), never changed in place.
+        """
+        self.config = dataclasses.replace(self.config, gradient_clipping=max_norm)
+
+    # ---------------------------------------------------------------------------------- port
+    def units(self) -> list[Unit]:
+        """The units of the optimizer's state, in step order (what one payload covers)."""
         if self._units is None:
             self._units = build_units(self.param_groups, self.config.granularity)
         return self._units
+
+    def unit_payload(self, kind: StepKind, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """What ``unit`` sends through the 1-bit all-reduce on a step of ``kind``, its state created and updated."""
+        self._ensure_state(unit)
+        return self._compressed_payload(kind, unit, grad)
+
+    def overlap_blocker(self) -> str | None:
+        """Why the next step's payloads cannot be formed in backward, or None (:mod:`qaccel.optim._overlap`)."""
+        if self.world_size() == 1:
+            return "one rank: the 1-bit all-reduce is the identity, and the step skips it"
+        if self.config.gradient_clipping > 0:
+            return "gradient_clipping needs the global norm, known only after backward"
+        if self._pending_resume is not None:
+            return "the first step after loading a checkpoint may reset the replicas first"
+        if any(unit.anchor.device.type != "cpu" for unit in self.units()):
+            return "overlap runs on CPU (gloo) only"
+        return None
 
     # -------------------------------------------------------------------------------- state
     def _ensure_state(self, unit: Unit) -> dict:
@@ -168,10 +212,9 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
                 state[key].zero_()
 
     # ------------------------------------------------------------------------- communication
-    def _onebit_buffers(
-        self, units: list[Unit], world_size: int
-    ) -> tuple[list[OneBitLayout], list[torch.Tensor], list[torch.Tensor]]:
-        """Layouts and (created on first use) worker and server error buffers of ``units``."""
+    def onebit_buffers(self, units: list[Unit]) -> tuple[list[OneBitLayout], list[torch.Tensor], list[torch.Tensor]]:
+        """Layouts and (created on first use) worker and server error buffers of ``units`` for the 1-bit all-reduce."""
+        world_size = self.world_size()
         layouts, worker_errors, server_errors = [], [], []
         for unit in units:
             state = self.state[unit.anchor]
@@ -187,28 +230,15 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         """C(payloads): the 1-bit error-feedback average over the group, or a fp32 copy when alone."""
         if world_size == 1:
             return [payload.to(torch.float32, copy=True) for payload in payloads]
-        layouts, worker_errors, server_errors = self._onebit_buffers(units, world_size)
+        layouts, worker_errors, server_errors = self.onebit_buffers(units)
+        placement = self._placement
         return compressed_allreduce(
-            payloads, worker_errors, server_errors, layouts, group=self._process_group, meter=self.wire_meter,
-            kind_prefix=self._kind_prefix,
+            payloads, worker_errors, server_errors, layouts, group=placement.process_group, meter=placement.wire_meter,
+            kind_prefix=placement.kind_prefix,
         )  # fmt: skip
 
     def _clip(self, grads: list[torch.Tensor | None], kind: StepKind, world_size: int) -> list[torch.Tensor | None]:
-        """Scale the gradients, in place, to ``gradient_clipping`` with a norm that is the same on every rank.
-
-        With sharded parameters (HSDP) "gradient" means the node's: the squares of the shards' norms are
-        first summed over the shard group (one 4-byte all-reduce inside the node), then:
-
-        FULL steps: the norm of the all-reduced gradient (identical everywhere). Steps whose local
-        gradient feeds a 1-bit all-reduce (0/1 Adam phase 1, 1-bit Adam after the freeze): the root mean
-        square of the ranks' local norms, sqrt(mean_r ||g_r||^2), from one 4-byte all-reduce. 0/1 Adam
-        phase 2: the rank's own norm (its gradient only moves the local replica until the next sync,
-        and an all-reduce here would add a communication round to every local step).
-
-        As ``torch.nn.utils.clip_grad_norm_``: the coefficient ``min(1, max_norm / (norm + 1e-6))`` stays a
-        tensor and multiplies every gradient (by exactly 1 when the norm is small), so the decision never
-        needs the norm on the host.
-        """
+        """Scale the gradients, in place, to ``gradient_clipping`` (:func:`clip_to_consistent_norm`)."""
         max_norm = self.config.gradient_clipping
         if max_norm <= 0:
             self._last_grad_norm = None
@@ -217,24 +247,7 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         if not live:
             self._last_grad_norm = 0.0
             return grads
-        norm = torch.linalg.vector_norm(torch.stack(foreach_norm(live)))
-        if self._shard_group is not None and dist.get_world_size(self._shard_group) > 1:
-            squared = (norm * norm).reshape(1)
-            dist.all_reduce(squared, group=self._shard_group)
-            nbytes = ring_all_reduce_bytes(4, dist.get_world_size(self._shard_group))
-            self.wire_meter.record("onebit.clip_norm_shard_all_reduce", sent_bytes=nbytes, recv_bytes=nbytes)
-            norm = torch.sqrt(squared[0])
-        if kind in (StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM) and world_size > 1:
-            squared = (norm * norm).reshape(1)
-            dist.all_reduce(squared, group=self._process_group)
-            self.wire_meter.record(
-                f"{self._kind_prefix}.clip_norm_all_reduce",
-                sent_bytes=ring_all_reduce_bytes(4, world_size),
-                recv_bytes=ring_all_reduce_bytes(4, world_size),
-            )
-            norm = torch.sqrt(squared[0] / world_size)
-        self._last_grad_norm = norm
-        foreach_mul_(live, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        self._last_grad_norm = clip_to_consistent_norm(live, max_norm, kind, world_size, self._placement)
         return grads
 
     @property
@@ -251,14 +264,8 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._comm_hook_required and not self._comm_hook_installed:
-            raise RuntimeError(
-                f"{type(self).__name__}: no DDP model holding these parameters was prepared, so nothing decides "
-                "when gradients are all-reduced; pass the model to accelerator.prepare (or call "
-                "qaccel.optim.register_ddp_comm_hook)"
-            )
         kind = self.schedule.next_kind()
-        units = self._units_now()
+        units = self.units()
         for unit in units:
             self._ensure_state(unit)
         if kind is StepKind.INIT:
@@ -329,7 +336,7 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         Each unit has its own scale and error buffers, so which call carries it does not change its result.
         """
         rest = [(unit, grad) for unit, grad in zip(units, grads, strict=True) if unit not in started and grad is not None]
-        payloads = [self._compressed_payload(kind, unit, grad) for unit, grad in rest]
+        payloads = [self.unit_payload(kind, unit, grad) for unit, grad in rest]
         averaged = dict(started)
         averaged.update(zip([unit for unit, _ in rest], self._average_1bit([unit for unit, _ in rest], payloads, world_size), strict=True))
         for unit in units:
@@ -337,19 +344,10 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
                 self._apply_averaged(kind, unit, averaged[unit])
 
     # ------------------------------------------------------------------------------ overlap
-    def _enable_overlap(self, group: dist.ProcessGroup) -> None:
-        """Start 1-bit all-reduces in the DDP hook, on ``group`` (:func:`register_ddp_comm_hook` calls this)."""
-        self._overlap = OneBitOverlap(self, group)
-
     @property
     def comm_overlap(self) -> OneBitOverlap | None:
-        """The backward overlap of the 1-bit all-reduce, when the DDP hook installed one (``overlap_comm``)."""
+        """The backward overlap of the 1-bit all-reduce, when attached with ``overlap_comm`` (by the DDP hook)."""
         return self._overlap
-
-    def disable_comm_overlap(self, reason: str) -> None:
-        """Run the 1-bit all-reduce in the step again from the next backward on (logs ``reason`` if a round is in flight)."""
-        if self._overlap is not None:
-            self._overlap.disable(reason)
 
     def state_dict(self) -> dict[str, Any]:
         if self._overlap is not None:

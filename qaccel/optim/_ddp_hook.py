@@ -25,7 +25,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ..comm import WireMeter, default_meter, ring_all_reduce_bytes
 from ._base import OneBitOptimizerBase
-from ._overlap import OneBitOverlap, overlap_group
+from ._overlap import OneBitOverlap
+from ._port import OneBitPlacement
 from ._schedule import CommPlan
 
 __all__ = ["OneBitCommHookState", "onebit_comm_hook", "register_ddp_comm_hook"]
@@ -95,30 +96,36 @@ def register_ddp_comm_hook(
     wire_meter: WireMeter | None = None,
     agree_on_overflow: bool = False,
 ) -> OneBitCommHookState:
-    """Install :func:`onebit_comm_hook` on ``ddp_model`` and point ``optimizer`` at its process group.
+    """Install :func:`onebit_comm_hook` on ``ddp_model`` and attach ``optimizer`` to its process group.
 
     ``qaccel.Accelerator.prepare`` calls this; plain-PyTorch DDP scripts call it once after wrapping the
     model. Without it DDP all-reduces every step, and the 1-bit optimizer would compress gradients that
     were already averaged (correct but wasteful, and not the algorithm).
 
-    With the optimizer's ``overlap_comm`` on (and no ``agree_on_overflow``, whose skipped steps must leave
-    the state alone) it also creates the process group of the overlap thread, with the DDP group's
-    ranks: every rank of that group must call this, as it must wrap the model.
+    The optimizer is attached (:meth:`~qaccel.optim.OneBitOptimizerBase.attach`) to a
+    :class:`~qaccel.optim.OneBitPlacement` of the DDP group and ``wire_meter``. With the optimizer's
+    ``overlap_comm`` on (and no ``agree_on_overflow``, whose skipped steps must leave the state alone)
+    that also creates the process group of the overlap thread, with the DDP group's ranks: every rank of
+    that group must call this, as it must wrap the model.
 
     Raises:
         TypeError: for a model that is not DDP or an optimizer that is not a qaccel 1-bit optimizer.
-        RuntimeError: if the model already has a comm hook (DDP allows one).
+        RuntimeError: if the optimizer already runs on another group or meter, or the model already
+            has a comm hook (DDP allows one; the optimizer then stays attached to the model's group).
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register_ddp_comm_hook: expected a DistributedDataParallel model, got {type(ddp_model).__name__}")
     if not isinstance(optimizer, OneBitOptimizerBase):
         raise TypeError(f"register_ddp_comm_hook: expected ZeroOneAdam or OneBitAdam, got {type(optimizer).__name__}")
-    if wire_meter is None:
-        wire_meter = optimizer.wire_meter
-    if optimizer.config.overlap_comm and not agree_on_overflow:
-        # collective: every rank of the DDP group registers the hook
-        optimizer._enable_overlap(overlap_group(ddp_model.process_group))
-    state = OneBitCommHookState(optimizer.comm_plan, ddp_model.process_group, wire_meter, agree_on_overflow, optimizer.comm_overlap)
+    placement = OneBitPlacement(
+        process_group=ddp_model.process_group,
+        wire_meter=optimizer.wire_meter if wire_meter is None else wire_meter,
+        overlap_comm=optimizer.config.overlap_comm and not agree_on_overflow,
+    )
+    optimizer.attach(placement)  # collective with overlap_comm: every rank of the DDP group registers the hook
+    state = OneBitCommHookState(
+        optimizer.comm_plan, placement.process_group, placement.wire_meter, agree_on_overflow, optimizer.comm_overlap
+    )
     try:
         ddp_model.register_comm_hook(state, onebit_comm_hook)
     except RuntimeError as err:
@@ -126,6 +133,4 @@ def register_ddp_comm_hook(
             f"register_ddp_comm_hook: the DDP model already has a communication hook ({err}); 0/1 Adam and "
             "1-bit Adam need their own, so leave DistributedDataParallelKwargs.comm_hook at NO"
         ) from None
-    optimizer.set_process_group(ddp_model.process_group)
-    optimizer._mark_comm_hook_installed()
     return state

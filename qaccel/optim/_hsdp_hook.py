@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import WireMeter, ring_all_reduce_bytes
-from ..fsdp import KIND_REPLICA_AR, AllReduceHook, HookOwner, check_replica_group, find_units
+from ..fsdp import KIND_REPLICA_AR, AllReduceHook, FSDPUnit, HookOwner, check_replica_group, find_units
 from ._base import OneBitOptimizerBase
+from ._port import OneBitPlacement
 from ._schedule import CommPlan
 from ._units import is_sharded
 
@@ -73,8 +74,9 @@ def register_hsdp_comm_hook(
     ``model``'s units must be sharded with ``fully_shard`` on the 1-D intra-node mesh (not the 2-D
     HSDP mesh: FSDP2 would then all-reduce every step across nodes itself). Every unit gets
     :class:`OneBitReplicaHook`, SUM reductions and a gradient divide factor of S (the hook divides by R
-    when it averages; a divide factor the user set is kept). The optimizer is pointed at the replica
-    group (its 1-bit all-reduce, replica checks) and the shard group (gradient norms). QSDP's intra-node
+    when it averages; a divide factor the user set is kept). The optimizer is attached to a
+    :class:`~qaccel.optim.OneBitPlacement` of the replica group (its 1-bit all-reduce, replica checks)
+    and the shard group (gradient norms). QSDP's intra-node
     codecs may be installed as well, with :func:`qaccel.fsdp.install_qsdp` *without* ``replica_group``.
 
     ``qaccel.Accelerator.prepare`` calls this for a 1-bit optimizer under
@@ -97,6 +99,7 @@ def register_hsdp_comm_hook(
             QSDP's included), some optimizer parameter is not one of the model's sharded parameters, or
             ``replica_group`` does not pair this rank's shard mesh with one rank per node.
         NotImplementedError: the model was sharded on a 2-D (native HSDP) mesh.
+        RuntimeError: the optimizer already runs on other groups or another meter.
 
     Example::
 
@@ -109,6 +112,29 @@ def register_hsdp_comm_hook(
     """
     if not isinstance(optimizer, OneBitOptimizerBase):
         raise TypeError(f"register_hsdp_comm_hook: expected ZeroOneAdam or OneBitAdam, got {type(optimizer).__name__}")
+    units = _checked_units(model, optimizer)
+    check_replica_group(units, replica_group, "register_hsdp_comm_hook")
+    shard_mesh = next(unit.params[0].device_mesh for unit in units if unit.params)
+    shard_ranks = max(unit.world_size for unit in units)
+    placement = OneBitPlacement(
+        process_group=replica_group,
+        shard_group=shard_mesh.get_group(),
+        wire_meter=optimizer.wire_meter if wire_meter is None else wire_meter,
+    )
+    # Every check passed: only now change the optimizer (which refuses another placement) and the units.
+    optimizer.attach(placement)
+    hook = OneBitReplicaHook(optimizer.comm_plan, replica_group, placement.wire_meter)
+    for unit in units:
+        for module in unit.modules:
+            module.set_force_sum_reduction_for_comms(True)
+            if unit.gradient_divide_factor is None:
+                module.set_gradient_divide_factor(float(shard_ranks))
+            module.set_all_reduce_hook(hook)
+    return hook
+
+
+def _checked_units(model: nn.Module, optimizer: OneBitOptimizerBase) -> list[FSDPUnit]:
+    """``model``'s FSDP2 units, once none has a foreign all-reduce hook and they shard every optimizer parameter."""
     units = find_units(model)
     if not units:
         raise ValueError(
@@ -139,20 +165,4 @@ def register_hsdp_comm_hook(
             f"register_hsdp_comm_hook: optimizer parameters {strangers[:8]} (in param-group order) are not sharded "
             f"parameters of {type(model).__name__}; build the optimizer on model.parameters() after fully_shard"
         )
-    check_replica_group(units, replica_group, "register_hsdp_comm_hook")
-    shard_mesh = next(unit.params[0].device_mesh for unit in units if unit.params)
-    shard_ranks = max(unit.world_size for unit in units)
-    meter = optimizer.wire_meter if wire_meter is None else wire_meter
-    hook = OneBitReplicaHook(optimizer.comm_plan, replica_group, meter)
-    # Every check passed: only now change the units and the optimizer.
-    for unit in units:
-        for module in unit.modules:
-            module.set_force_sum_reduction_for_comms(True)
-            if unit.gradient_divide_factor is None:
-                module.set_gradient_divide_factor(float(shard_ranks))
-            module.set_all_reduce_hook(hook)
-    optimizer.set_process_group(replica_group)
-    optimizer.set_shard_group(shard_mesh.get_group())
-    optimizer.wire_meter = meter
-    optimizer._mark_comm_hook_installed()
-    return hook
+    return units

@@ -33,24 +33,18 @@ import logging
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..comm import start_compressed_allreduce
-from ._schedule import StepKind
+from ._port import OneBitPort
+from ._schedule import COMPRESSED_KINDS, StepKind
 from ._units import Unit
 
-if TYPE_CHECKING:
-    from ._base import OneBitOptimizerBase
-
-__all__ = ["OneBitOverlap", "OVERLAPPED_KINDS", "overlap_group"]
+__all__ = ["OneBitOverlap", "overlap_group"]
 
 logger = logging.getLogger(__name__)
-
-OVERLAPPED_KINDS = frozenset({StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM, StepKind.SYNC})
-"""Step kinds whose 1-bit all-reduce can start in backward (the others send nothing, or all-reduce in full)."""
 
 
 def overlap_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -75,12 +69,15 @@ class _Round:
 class OneBitOverlap:
     """Starts 1-bit all-reduces from the DDP hook and finishes them on a thread; see the module docstring.
 
+    Only the optimizer's port (:class:`qaccel.optim.OneBitPort`) is used: the step kind, the units and
+    their payloads, their error-feedback buffers, and the placement's meter.
+
     Args:
         optimizer: the 1-bit optimizer whose state and payloads are used.
         group: the thread's process group (:func:`overlap_group`).
     """
 
-    def __init__(self, optimizer: OneBitOptimizerBase, group: dist.ProcessGroup) -> None:
+    def __init__(self, optimizer: OneBitPort, group: dist.ProcessGroup) -> None:
         # A weak reference: the optimizer holds this object, and a cycle would leave both, and the gloo
         # process group, to the cyclic collector, possibly at interpreter exit, where freeing a process
         # group can abort the process.
@@ -92,7 +89,7 @@ class OneBitOverlap:
         self.rounds_started = 0  # backwards whose all-reduce started in the hook (tests and benchmarks read it)
 
     @property
-    def _optimizer(self) -> OneBitOptimizerBase:
+    def _optimizer(self) -> OneBitPort:
         optimizer = self._optimizer_ref()
         if optimizer is None:
             raise RuntimeError("the 1-bit optimizer of this DDP hook was deleted")
@@ -116,32 +113,21 @@ class OneBitOverlap:
 
     def inactive_reason(self) -> str | None:
         """Why the next backward cannot overlap, or None."""
-        optimizer = self._optimizer
         if self._disabled is not None:
             return self._disabled
-        if not optimizer.config.overlap_comm:
-            return "overlap_comm is off"
-        if optimizer.world_size() == 1:
-            return "one rank: the 1-bit all-reduce is the identity, and the step skips it"
-        if optimizer.config.gradient_clipping > 0:
-            return "gradient_clipping needs the global norm, known only after backward"
-        if optimizer._pending_resume is not None:
-            return "the first step after loading a checkpoint may reset the replicas first"
-        if any(unit.anchor.device.type != "cpu" for unit in optimizer._units_now()):
-            return "overlap runs on CPU (gloo) only"
-        return None
+        return self._optimizer.overlap_blocker()
 
     def bucket_ready(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """DDP hook: note a bucket's gradients and start the all-reduce of every unit it completes."""
         optimizer = self._optimizer
-        kind = optimizer.schedule.next_kind()
-        if kind not in OVERLAPPED_KINDS:
+        kind = optimizer.comm_plan.next_kind
+        if kind not in COMPRESSED_KINDS:
             return
         round_ = self._round
         if round_ is None:
             if self.inactive_reason() is not None:
                 return
-            units = optimizer._units_now()
+            units = optimizer.units()
             round_ = self._round = _Round(
                 kind=kind,
                 step=optimizer.schedule.step,
@@ -169,14 +155,14 @@ class OneBitOverlap:
         with torch.no_grad():
             payloads = []
             for unit in ready:
-                optimizer._ensure_state(unit)
-                payloads.append(optimizer._compressed_payload(kind, unit, self._unit_grad(unit, round_)))
+                payloads.append(optimizer.unit_payload(kind, unit, self._unit_grad(unit, round_)))
                 if kind is StepKind.SYNC:
-                    round_.lrs[unit] = optimizer._group_of(unit)["lr"]
-            layouts, worker_errors, server_errors = optimizer._onebit_buffers(ready, optimizer.world_size())
+                    round_.lrs[unit] = optimizer.param_groups[unit.group_index]["lr"]
+            layouts, worker_errors, server_errors = optimizer.onebit_buffers(ready)
+            placement = optimizer.placement
             pending = start_compressed_allreduce(
-                payloads, worker_errors, server_errors, layouts, group=self._group, meter=optimizer.wire_meter,
-                kind_prefix=optimizer._kind_prefix,
+                payloads, worker_errors, server_errors, layouts, group=self._group, meter=placement.wire_meter,
+                kind_prefix=placement.kind_prefix,
             )  # fmt: skip
         round_.jobs.append((ready, self._executor.submit(pending.finish)))
 
@@ -204,10 +190,11 @@ class OneBitOverlap:
         for units, job in round_.jobs:
             averaged.update(zip(units, job.result(), strict=True))
         for unit, lr in round_.lrs.items():
-            if optimizer._group_of(unit)["lr"] != lr:
+            now = optimizer.param_groups[unit.group_index]["lr"]
+            if now != lr:
                 raise RuntimeError(
                     f"{type(optimizer).__name__} with overlap_comm: param group {unit.group_index}'s lr changed from {lr} "
-                    f"to {optimizer._group_of(unit)['lr']} between backward and optimizer.step() on a sync step, whose "
+                    f"to {now} between backward and optimizer.step() on a sync step, whose "
                     "local update was formed in backward; change the lr after optimizer.step() (as LR schedulers do), "
                     "or set overlap_comm=False"
                 )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._torch_internals import all_gather_single
 from ..comm import ring_all_gather_bytes, ring_all_reduce_bytes
 from ._schedule import Phase
 from ._units import Unit, local_tensor, unit_weights, write_back
@@ -224,10 +225,10 @@ class ResumeMixin:
         flag = torch.tensor([float(skip_check)], dtype=torch.float64)
         summary = torch.cat([flag, self._replica_summary(units)]).to(units[0].anchor.device)
         rows = torch.empty(world_size * summary.numel(), dtype=torch.float64, device=summary.device)
-        # torch 2.13 renamed all_gather_into_tensor (the old name warns); older releases lack the new one
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, summary, group=self._process_group)
+        placement = self.placement
+        all_gather_single(rows, summary, placement.process_group)
         nbytes = ring_all_gather_bytes(summary.numel() * 8, world_size)
-        self.wire_meter.record(f"{self._kind_prefix}.replica_check", sent_bytes=nbytes, recv_bytes=nbytes)
+        placement.wire_meter.record(f"{placement.kind_prefix}.replica_check", sent_bytes=nbytes, recv_bytes=nbytes)
         rows = rows.view(world_size, -1)
         if bool((rows[:, 0] > 0).any()):
             return True
@@ -258,10 +259,11 @@ class ResumeMixin:
         momenta = [self.state[unit.anchor]["exp_avg"] for unit in units]
         if world_size > 1:
             flat = torch.cat([t.reshape(-1) for t in weights + momenta])
-            dist.all_reduce(flat, group=self._process_group)
+            placement = self.placement
+            dist.all_reduce(flat, group=placement.process_group)
             flat.mul_(1.0 / world_size)
             nbytes = ring_all_reduce_bytes(flat.numel() * flat.element_size(), world_size)
-            self.wire_meter.record(f"{self._kind_prefix}.resync_all_reduce", sent_bytes=nbytes, recv_bytes=nbytes)
+            placement.wire_meter.record(f"{placement.kind_prefix}.resync_all_reduce", sent_bytes=nbytes, recv_bytes=nbytes)
             offset = 0
             for t in weights + momenta:
                 t.copy_(flat[offset : offset + t.numel()].view(t.shape))

@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "StepKind",
+    "COMPRESSED_KINDS",
     "Phase",
     "ZeroOneAdamSchedule",
     "OneBitAdamSchedule",
@@ -43,6 +44,10 @@ class StepKind(str, Enum):
     """0/1 Adam phase 2: local step, no communication."""
     SYNC = "sync"
     """0/1 Adam phase 2: local step, then the accumulated update goes through the 1-bit all-reduce."""
+
+
+COMPRESSED_KINDS = frozenset({StepKind.ONEBIT_GRADIENT, StepKind.ONEBIT_MOMENTUM, StepKind.SYNC})
+"""Step kinds that issue the 1-bit all-reduce: every rank must join it, and it may start in backward."""
 
 
 class Phase(str, Enum):

@@ -2,7 +2,8 @@
 // the same messages (the device checks stay with each backend).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 
@@ -14,7 +15,7 @@ inline void check_codec_args(int64_t bits, int64_t bucket_size) {
 }
 
 // Checks the decode inputs for `numel` output elements.
-inline void check_decode_args(const torch::Tensor& codes, const torch::Tensor& lo, const torch::Tensor& scale,
+inline void check_decode_args(const at::Tensor& codes, const at::Tensor& lo, const at::Tensor& scale,
                                  int64_t bits, int64_t bucket_size, int64_t numel) {
   TORCH_CHECK(codes.scalar_type() == at::kByte, "codes.dtype=", codes.scalar_type(), ": must be uint8");
   check_codec_args(bits, bucket_size);
@@ -27,6 +28,13 @@ inline void check_decode_args(const torch::Tensor& codes, const torch::Tensor& l
               bits * ((numel + 7) / 8));
   TORCH_CHECK(lo.numel() >= num_buckets && scale.numel() >= num_buckets, "lo/scale: expected ", num_buckets,
               " buckets");
+}
+
+// The metadata dtype of quantize_buckets: true for bfloat16, false for float32, anything else an error.
+inline bool is_bf16_meta(at::ScalarType meta_dtype) {
+  TORCH_CHECK(meta_dtype == at::kFloat || meta_dtype == at::kBFloat16, "meta_dtype=", meta_dtype,
+              ": must be float32 or bfloat16");
+  return meta_dtype == at::kBFloat16;
 }
 
 }  // namespace qaccel

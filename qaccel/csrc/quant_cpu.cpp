@@ -13,8 +13,9 @@
 // bucket of at most kFusedMaxBucket is one "chunk" (rotated whole by each tile touching it, and the
 // payload tiles hold whole buckets so that happens once); a longer bucket is cut into chunks of
 // rotation_max_block elements from its start, each a whole block, for its grid pass and its tiles.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <climits>
@@ -23,6 +24,8 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -33,6 +36,7 @@
 #include "quant_checks.h"
 #include "quant_common.h"
 #include "quant_cpu_avx512.h"
+#include "quant_ops.h"
 #include "quant_payload.h"
 
 namespace {
@@ -493,28 +497,32 @@ void dequantize_impl(const uint8_t* packed, const Meta* lo, const Meta* scale, i
   });
 }
 
-void check_cpu_contiguous(const torch::Tensor& t, const char* name) {
+void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor, got ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
-void check_float_dtype(const torch::Tensor& t, const char* name) {
+void check_float_dtype(const at::Tensor& t, const char* name) {
   const auto dtype = t.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, name, ".dtype=", dtype,
               ": must be float32, bfloat16 or float16");
 }
 
-std::vector<torch::Tensor> quantize_buckets(torch::Tensor x, int64_t bits, int64_t bucket_size, bool nearest,
-                                            uint64_t seed, bool meta_bf16) {
+// The seed travels as the int64 bit pattern of the unsigned 64-bit seed (a schema `int` is signed).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_buckets(const at::Tensor& x, int64_t bits, int64_t bucket_size,
+                                                                bool nearest, int64_t seed_bits,
+                                                                at::ScalarType meta_dtype) {
+  const bool meta_bf16 = qaccel::is_bf16_meta(meta_dtype);
+  const auto seed = static_cast<uint64_t>(seed_bits);
   check_cpu_contiguous(x, "x");
   check_float_dtype(x, "x");
   qaccel::check_codec_args(bits, bucket_size);
   const int64_t numel = x.numel();
   const int64_t num_buckets = (numel + bucket_size - 1) / bucket_size;
   const auto meta_options = x.options().dtype(meta_bf16 ? at::kBFloat16 : at::kFloat);
-  auto lo = torch::empty({num_buckets}, meta_options);
-  auto scale = torch::empty({num_buckets}, meta_options);
-  auto packed = torch::empty({bits * ((numel + 7) / 8)}, x.options().dtype(at::kByte));
+  auto lo = at::empty({num_buckets}, meta_options);
+  auto scale = at::empty({num_buckets}, meta_options);
+  auto packed = at::empty({bits * ((numel + 7) / 8)}, x.options().dtype(at::kByte));
   if (numel == 0) return {packed, lo, scale};
   advise_huge_pages(packed.data_ptr(), packed.numel());
   const int b = static_cast<int>(bits);
@@ -536,8 +544,8 @@ std::vector<torch::Tensor> quantize_buckets(torch::Tensor x, int64_t bits, int64
 }
 
 template <typename Meta>
-void dequantize_meta(const torch::Tensor& codes, const torch::Tensor& lo, const torch::Tensor& scale, int bits,
-                     int64_t bucket, torch::Tensor& out, bool accumulate) {
+void dequantize_meta(const at::Tensor& codes, const at::Tensor& lo, const at::Tensor& scale, int bits,
+                     int64_t bucket, at::Tensor& out, bool accumulate) {
   const uint8_t* packed = codes.data_ptr<uint8_t>();
   const Meta* lo_p = lo.data_ptr<Meta>();
   const Meta* scale_p = scale.data_ptr<Meta>();
@@ -554,8 +562,8 @@ void dequantize_meta(const torch::Tensor& codes, const torch::Tensor& lo, const 
   }
 }
 
-torch::Tensor dequantize_into(torch::Tensor codes, torch::Tensor lo, torch::Tensor scale, int64_t bits,
-                              int64_t bucket_size, torch::Tensor out, bool accumulate) {
+void dequantize_into(const at::Tensor& codes, const at::Tensor& lo, const at::Tensor& scale, int64_t bits,
+                     int64_t bucket_size, at::Tensor out, bool accumulate) {
   check_cpu_contiguous(codes, "codes");
   check_cpu_contiguous(lo, "lo");
   check_cpu_contiguous(scale, "scale");
@@ -563,13 +571,12 @@ torch::Tensor dequantize_into(torch::Tensor codes, torch::Tensor lo, torch::Tens
   check_float_dtype(out, "out");
   const int64_t numel = out.numel();
   qaccel::check_decode_args(codes, lo, scale, bits, bucket_size, numel);
-  if (numel == 0) return out;
+  if (numel == 0) return;
   if (lo.scalar_type() == at::kFloat) {
     dequantize_meta<float>(codes, lo, scale, static_cast<int>(bits), bucket_size, out, accumulate);
   } else {
     dequantize_meta<c10::BFloat16>(codes, lo, scale, static_cast<int>(bits), bucket_size, out, accumulate);
   }
-  return out;
 }
 
 template <typename T>
@@ -587,13 +594,13 @@ void sign_pack_impl(const T* x, int64_t chunks, int64_t chunk_numel, uint8_t* ou
   });
 }
 
-torch::Tensor sign_pack(torch::Tensor x, int64_t chunks) {
+at::Tensor sign_pack(const at::Tensor& x, int64_t chunks) {
   check_cpu_contiguous(x, "x");
   check_float_dtype(x, "x");
   TORCH_CHECK(chunks >= 1 && x.numel() % chunks == 0, "chunks=", chunks, ": must divide x.numel()=", x.numel());
   const int64_t chunk_numel = x.numel() / chunks;
   const int64_t total = x.numel() == 0 ? 0 : chunks * ((chunk_numel + 7) / 8);
-  auto out = torch::empty({total}, x.options().dtype(at::kByte));
+  auto out = at::empty({total}, x.options().dtype(at::kByte));
   if (total == 0) return out;
   uint8_t* dst = out.data_ptr<uint8_t>();
   switch (x.scalar_type()) {
@@ -604,12 +611,12 @@ torch::Tensor sign_pack(torch::Tensor x, int64_t chunks) {
   return out;
 }
 
-torch::Tensor sign_unpack(torch::Tensor signs, torch::Tensor scales, int64_t numel, torch::Tensor out) {
+void sign_unpack(const at::Tensor& signs, const at::Tensor& scales, int64_t numel, at::Tensor out) {
   check_cpu_contiguous(signs, "signs");
   check_cpu_contiguous(out, "out");
   TORCH_CHECK(out.scalar_type() == at::kFloat, "out.dtype=", out.scalar_type(), ": must be float32");
   TORCH_CHECK(out.numel() == numel, "out.numel()=", out.numel(), ": must equal numel=", numel);
-  if (numel == 0) return out;
+  if (numel == 0) return;
   const auto scales32 = scales.to(at::kFloat).contiguous();
   const int64_t chunks = scales32.numel();
   TORCH_CHECK(chunks >= 1 && numel % chunks == 0, "scales has ", chunks, " chunks: must divide numel=", numel);
@@ -633,7 +640,6 @@ torch::Tensor sign_unpack(torch::Tensor signs, torch::Tensor scales, int64_t num
       }
     }
   });
-  return out;
 }
 
 // ---- fused payloads (quant_payload.h; reference.encode_payloads / decode_payloads / sum_payloads) --
@@ -843,8 +849,12 @@ void sum_payloads_impl(const uint8_t* blob_all, const pl::Params& p, const int64
   });
 }
 
-pl::Params checked_params(const torch::Tensor& table) {
+// `device_table` is the same table on the data's device: here the CPU, where the rows are read.
+pl::Params checked_params(const at::Tensor& table, const at::Tensor& device_table) {
   check_cpu_contiguous(table, "table");
+  check_cpu_contiguous(device_table, "device_table");
+  TORCH_CHECK(device_table.scalar_type() == at::kLong && device_table.numel() == table.numel(),
+              "device_table: must be the same PayloadSpec table as `table`");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.numel() >= pl::kHeaderLen,
               "table: must be a PayloadSpec table");
   const int64_t* t = table.data_ptr<int64_t>();
@@ -860,8 +870,12 @@ pl::Params checked_params(const torch::Tensor& table) {
 
 // The decode seed table ([slots, segments] int64, the encode's) as uint64, or null when the spec is
 // not rotated (then `seeds` is ignored: an empty tensor by convention).
-const uint64_t* checked_decode_seeds(const torch::Tensor& seeds, const pl::Params& p, int64_t slots) {
+const uint64_t* checked_decode_seeds(const std::optional<at::Tensor>& maybe_seeds, const pl::Params& p,
+                                     int64_t slots) {
   if (!p.rotation) return nullptr;
+  TORCH_CHECK(maybe_seeds.has_value(), "seeds: a rotated spec needs int64 seeds [", slots, ", ", p.num_segments,
+              "], got none (the table the payloads were encoded with)");
+  const at::Tensor& seeds = *maybe_seeds;
   check_cpu_contiguous(seeds, "seeds");
   TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 2 && seeds.size(0) == slots &&
                   seeds.size(1) == p.num_segments,
@@ -870,7 +884,7 @@ const uint64_t* checked_decode_seeds(const torch::Tensor& seeds, const pl::Param
   return reinterpret_cast<const uint64_t*>(seeds.data_ptr<int64_t>());
 }
 
-void check_slot_offsets(const torch::Tensor& offsets, int64_t slots, int64_t numel, int64_t limit, const char* name) {
+void check_slot_offsets(const at::Tensor& offsets, int64_t slots, int64_t numel, int64_t limit, const char* name) {
   check_cpu_contiguous(offsets, name);
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.numel() == slots, name, ": expected ", slots,
               " int64 offsets");
@@ -879,13 +893,13 @@ void check_slot_offsets(const torch::Tensor& offsets, int64_t slots, int64_t num
     TORCH_CHECK(o[s] >= 0 && o[s] + numel <= limit, name, "[", s, "]=", o[s], ": chunk out of range");
 }
 
-torch::Tensor encode_payloads(torch::Tensor src, torch::Tensor table, torch::Tensor offsets, torch::Tensor seeds,
-                              torch::Tensor out) {
+void encode_payloads(const at::Tensor& src, const at::Tensor& table, const at::Tensor& device_table,
+                     const at::Tensor& offsets, const at::Tensor& seeds, at::Tensor out) {
   check_cpu_contiguous(src, "src");
   check_float_dtype(src, "src");
   check_cpu_contiguous(out, "out");
   check_cpu_contiguous(seeds, "seeds");
-  const pl::Params p = checked_params(table);
+  const pl::Params p = checked_params(table, device_table);
   TORCH_CHECK(dtype_code(src.scalar_type()) == p.elem_dtype, "src.dtype=", src.scalar_type(),
               ": must be the spec's element dtype");
   TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 2 && seeds.size(1) == p.num_segments,
@@ -894,8 +908,8 @@ torch::Tensor encode_payloads(torch::Tensor src, torch::Tensor table, torch::Ten
   check_slot_offsets(offsets, slots, p.numel, src.numel(), "src_offsets");
   TORCH_CHECK(out.scalar_type() == at::kByte && out.numel() == slots * p.nbytes, "out: expected ", slots * p.nbytes,
               " uint8 bytes");
-  if (slots == 0 || p.nbytes == 0) return out;
-  const int64_t* rows = table.data_ptr<int64_t>() + pl::kHeaderLen;
+  if (slots == 0 || p.nbytes == 0) return;
+  const int64_t* rows = device_table.data_ptr<int64_t>() + pl::kHeaderLen;
   const int64_t* o = offsets.data_ptr<int64_t>();
   const auto* sd = reinterpret_cast<const uint64_t*>(seeds.data_ptr<int64_t>());
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -904,12 +918,11 @@ torch::Tensor encode_payloads(torch::Tensor src, torch::Tensor table, torch::Ten
     case at::kBFloat16: encode_payloads_impl(src.data_ptr<c10::BFloat16>(), p, rows, o, sd, slots, dst); break;
     default: encode_payloads_impl(src.data_ptr<c10::Half>(), p, rows, o, sd, slots, dst);
   }
-  return out;
 }
 
 template <typename Meta>
 void decode_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const int64_t* o,
-                          const uint64_t* sd, int64_t slots, torch::Tensor& out) {
+                          const uint64_t* sd, int64_t slots, at::Tensor& out) {
   switch (out.scalar_type()) {
     case at::kFloat: decode_payloads_impl<Meta>(blob, p, rows, o, sd, slots, out.data_ptr<float>()); break;
     case at::kBFloat16: decode_payloads_impl<Meta>(blob, p, rows, o, sd, slots, out.data_ptr<c10::BFloat16>()); break;
@@ -917,19 +930,19 @@ void decode_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_
   }
 }
 
-torch::Tensor decode_payloads(torch::Tensor blob, torch::Tensor table, torch::Tensor out, torch::Tensor offsets,
-                              torch::Tensor seeds) {
+void decode_payloads(const at::Tensor& blob, const at::Tensor& table, const at::Tensor& device_table, at::Tensor out,
+                     const at::Tensor& offsets, const std::optional<at::Tensor>& seeds) {
   check_cpu_contiguous(blob, "blob");
   check_cpu_contiguous(out, "out");
   check_float_dtype(out, "out");
-  const pl::Params p = checked_params(table);
+  const pl::Params p = checked_params(table, device_table);
   const int64_t slots = offsets.numel();
   check_slot_offsets(offsets, slots, p.numel, out.numel(), "out_offsets");
   TORCH_CHECK(blob.scalar_type() == at::kByte && blob.numel() == slots * p.nbytes, "blob: expected ",
               slots * p.nbytes, " uint8 bytes");
   const uint64_t* sd = checked_decode_seeds(seeds, p, slots);
-  if (slots == 0 || p.numel == 0) return out;
-  const int64_t* rows = table.data_ptr<int64_t>() + pl::kHeaderLen;
+  if (slots == 0 || p.numel == 0) return;
+  const int64_t* rows = device_table.data_ptr<int64_t>() + pl::kHeaderLen;
   const uint8_t* src = blob.data_ptr<uint8_t>();
   const int64_t* o = offsets.data_ptr<int64_t>();
   if (p.meta_bf16) {
@@ -937,12 +950,11 @@ torch::Tensor decode_payloads(torch::Tensor blob, torch::Tensor table, torch::Te
   } else {
     decode_payloads_meta<float>(src, p, rows, o, sd, slots, out);
   }
-  return out;
 }
 
 template <typename Meta>
 void sum_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* rows, const uint64_t* sd,
-                       int64_t slots, const torch::Tensor& base, torch::Tensor& out) {
+                       int64_t slots, const at::Tensor& base, at::Tensor& out) {
   const void* b = base.data_ptr();
   const int bd = dtype_code(base.scalar_type());
   const int64_t bs = base.element_size();
@@ -955,38 +967,29 @@ void sum_payloads_meta(const uint8_t* blob, const pl::Params& p, const int64_t* 
   }
 }
 
-torch::Tensor sum_payloads(torch::Tensor blob, torch::Tensor table, torch::Tensor base, torch::Tensor out,
-                           torch::Tensor seeds) {
+void sum_payloads(const at::Tensor& blob, const at::Tensor& table, const at::Tensor& device_table,
+                  const at::Tensor& base, at::Tensor out, const std::optional<at::Tensor>& seeds) {
   check_cpu_contiguous(blob, "blob");
   check_cpu_contiguous(base, "base");
   check_cpu_contiguous(out, "out");
   check_float_dtype(base, "base");
   check_float_dtype(out, "out");
-  const pl::Params p = checked_params(table);
+  const pl::Params p = checked_params(table, device_table);
   TORCH_CHECK(base.numel() == p.numel && out.numel() == p.numel, "base/out: expected ", p.numel, " elements");
   TORCH_CHECK(blob.scalar_type() == at::kByte && (p.nbytes == 0 ? blob.numel() == 0 : blob.numel() % p.nbytes == 0),
               "blob: expected a whole number of ", p.nbytes, "-byte payloads");
   const int64_t slots = p.nbytes == 0 ? 0 : blob.numel() / p.nbytes;
   const uint64_t* sd = checked_decode_seeds(seeds, p, slots);
-  if (p.numel == 0) return out;
-  const int64_t* rows = table.data_ptr<int64_t>() + pl::kHeaderLen;
+  if (p.numel == 0) return;
+  const int64_t* rows = device_table.data_ptr<int64_t>() + pl::kHeaderLen;
   if (p.meta_bf16) {
     sum_payloads_meta<c10::BFloat16>(blob.data_ptr<uint8_t>(), p, rows, sd, slots, base, out);
   } else {
     sum_payloads_meta<float>(blob.data_ptr<uint8_t>(), p, rows, sd, slots, base, out);
   }
-  return out;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "qaccel C++ codecs (bit-identical to qaccel.quant.reference)";
-  m.def("quantize_buckets", &quantize_buckets, "bucketed k-bit quantization -> [codes, lo, scale]");
-  m.def("dequantize_into", &dequantize_into, "decode (or add) packed codes into out");
-  m.def("sign_pack", &sign_pack, "sign bits, MSB first, per chunk padded to bytes");
-  m.def("sign_unpack", &sign_unpack, "scale_c * (+-1) into out");
-  m.def("encode_payloads", &encode_payloads, "encode one chunk per slot into consecutive payloads");
-  m.def("decode_payloads", &decode_payloads, "decode consecutive payloads into chunks of out");
-  m.def("sum_payloads", &sum_payloads, "out = base + every decoded payload, summed in fp32");
-}
+// Kernels for CPU tensors of the ops declared in qaccel/quant/_ops.py.
+TORCH_LIBRARY_IMPL(qaccel, CPU, m) { QACCEL_IMPL_CODEC_OPS(m); }

@@ -1,7 +1,9 @@
 """Codecs for compressed communication: bucketed k-bit quantization and 1-bit sign packing.
 
 ``reference`` is the pure-torch specification; the C++ (CPU) and CUDA kernels built on first use
-reproduce it bit for bit. Nothing compiles at import.
+reproduce it bit for bit. Nothing compiles at import. The kernels are the ``torch.ops.qaccel.*`` ops,
+declared once in ``_ops`` with fake kernels (they run under ``FakeTensorMode`` and
+``torch.compile(fullgraph=True)``) and the reference as the default kernel of every device.
 """
 
 from . import reference

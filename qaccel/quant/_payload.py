@@ -18,6 +18,7 @@ kernels read the same constants from ``qaccel/csrc/quant_payload.h``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -190,6 +191,15 @@ class PayloadSpec:
 
     # -- table ------------------------------------------------------------------------------------
 
+    @classmethod
+    def from_table(cls, table: torch.Tensor) -> PayloadSpec:
+        """The spec whose :meth:`table` is ``table``: how the codec ops' reference kernel reads a layout back.
+
+        Raises:
+            ValueError: ``table`` is not a PayloadSpec table (wrong length for its segment count).
+        """
+        return _spec_of_table(tuple(table.detach().to("cpu", torch.int64).reshape(-1).tolist()))
+
     @cached_property
     def _host_table(self) -> torch.Tensor:
         rows = []
@@ -250,3 +260,22 @@ class PayloadSpec:
         if table is None:  # two threads racing here copy twice; one copy is kept
             table = self._device_tables.setdefault(device, self._host_table.to(device))
         return table
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_of_table(values: tuple[int, ...]) -> PayloadSpec:
+    header, rows = values[:HEADER_LEN], values[HEADER_LEN:]
+    if len(header) < HEADER_LEN or len(rows) != header[H_NSEG] * ROW_LEN:
+        raise ValueError(f"PayloadSpec.from_table: {len(values)} entries do not form a header of {HEADER_LEN} "
+                         f"and {ROW_LEN} per segment")  # fmt: skip
+    segments = tuple((rows[start + C_NUMEL], bool(rows[start + C_QUANTIZED])) for start in range(0, len(rows), ROW_LEN))
+    elem_dtype = next(dtype for dtype, code in DTYPE_CODES.items() if code == header[H_ELEM_DTYPE])
+    return PayloadSpec(
+        segments=segments,
+        bits=header[H_BITS],
+        bucket_size=header[H_BUCKET],
+        meta_dtype=torch.bfloat16 if header[H_META_BF16] else torch.float32,
+        rounding="nearest" if header[H_NEAREST] else "stochastic",
+        elem_dtype=elem_dtype,
+        rotation="hadamard" if header[H_ROTATION] else "none",
+    )

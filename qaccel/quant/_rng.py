@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MASK32", "lowbias32", "counter_hash", "uniform_from_counter", "rotation_signs", "normalize_seed"]
+__all__ = ["MASK32", "lowbias32", "counter_hash", "uniform_from_counter", "rotation_signs", "normalize_seed", "seed_bits"]
 
 MASK32 = 0xFFFFFFFF
 _MIX1 = 0x7FEB352D
@@ -32,6 +32,16 @@ def normalize_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed={seed!r}: must be an int")
     return seed & 0xFFFFFFFFFFFFFFFF
+
+
+def seed_bits(seed: int) -> int:
+    """Return the int64 holding ``seed``'s unsigned 64-bit pattern (``seed - 2**64`` from ``2**63`` on).
+
+    Seeds cross into the codec ops (whose schema ``int`` is signed) and into seed tables this way;
+    the kernels read the bits back as unsigned.
+    """
+    seed = normalize_seed(seed)
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
 def lowbias32(x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 ``quant_cuda.cu`` holds the kernels and host launchers and needs only the CUDA toolkit: nvcc
 compiles it for a generic architecture (nvcc's default) with the JIT build's flags.
-``quant_cuda_binding.cpp`` is the torch layer: the host compiler builds it against the installed
-torch headers and the toolkit's ``cuda_runtime_api.h``. Running the kernels and checking them bit for
+``quant_cuda_binding.cpp`` is the torch layer, which also registers the CUDA kernels of the codec ops
+(``TORCH_LIBRARY_IMPL(qaccel, CUDA, m)`` with the op list of ``quant_ops.h``): the host compiler
+builds it against the installed torch headers and the toolkit's ``cuda_runtime_api.h``. Running the kernels and checking them bit for
 bit against the reference on a GPU is ``scripts/gpu_check.sh``'s job.
 """
 
@@ -50,3 +51,7 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
     result = _run(_native.host_object_command(obj, include))
     assert result.returncode == 0, result.stderr[-4000:]
     assert obj.stat().st_size > 0
+    if shutil.which("nm"):  # the registration is compiled in: its static initializer is in the object
+        symbols = _run(["nm", "-C", str(obj)]).stdout
+        assert "TORCH_LIBRARY_IMPL_static_init_qaccel_CUDA" in symbols
+        assert "PyInit" not in symbols  # a plain library of op kernels, no Python module

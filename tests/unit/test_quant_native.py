@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qaccel import quant
-from qaccel.quant import _backend, _native, reference
+from qaccel.quant import _backend, _native, _native_build, reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BUCKETS = [1, 3, 64, 128, 1000, 1024]
@@ -240,17 +240,22 @@ def test_status_reports_every_backend(cpu_kernels):
         assert report["cuda"]["available"] is False and "no CUDA support" in report["cuda"]["reason"]
 
 
-def test_build_name_hashes_sources_and_flags(tmp_path, monkeypatch):
+def test_build_name_hashes_sources_schemas_and_flags(tmp_path, monkeypatch):
     name = _native.build_name("cpu")
     for source in os.listdir(_native.CSRC):
         (tmp_path / source).write_bytes((_native.CSRC / source).read_bytes())
-    monkeypatch.setattr(_native, "CSRC", tmp_path)
+    monkeypatch.setattr(_native_build, "CSRC", tmp_path)
     assert _native.build_name("cpu") == name
     (tmp_path / "quant_common.h").write_text((tmp_path / "quant_common.h").read_text() + "\n// changed\n")
     changed_source = _native.build_name("cpu")
     assert changed_source != name
-    monkeypatch.setattr(_native, "_CXX_FLAGS", (*_native._CXX_FLAGS, "-DQACCEL_TEST_FLAG"))
-    assert _native.build_name("cpu") not in (name, changed_source)
+    monkeypatch.setattr(_native_build, "CXX_FLAGS", (*_native_build.CXX_FLAGS, "-DQACCEL_TEST_FLAG"))
+    changed_flags = _native.build_name("cpu")
+    assert changed_flags not in (name, changed_source)
+    # the kernels are checked against the schemas at load time: a schema edit must not reuse a build
+    schemas = {**_native_build.SCHEMAS, "sign_pack": "(Tensor x, int chunks, int extra) -> Tensor"}
+    monkeypatch.setattr(_native_build, "SCHEMAS", schemas)
+    assert _native.build_name("cpu") not in (name, changed_source, changed_flags)
 
 
 _FALLBACK_SCRIPT = textwrap.dedent(

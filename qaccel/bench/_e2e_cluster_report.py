@@ -11,7 +11,7 @@ from collections.abc import Callable
 from functools import partial
 
 from ._e2e_methods import PAPER_SCHEDULES
-from ._e2e_report import _find, _goal, _mb, _s, failed_line, fraction_cell, speedup_cells, step_cell
+from ._e2e_report import failed_line, find_row, fraction_cell, goal_row, mb_cell, seconds_cell, speedup_cells, step_cell
 from ._e2e_report import write_markdown as _write_block
 
 __all__ = [
@@ -75,15 +75,15 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
     prefetches = sorted({r["prefetch"] for r in at if r["prefetch"] is not None}) or [False]
     for prefetch in prefetches:
         for method, bytes_goals, step_goals in _GOALS:
-            fast = _find(at, GOAL_BANDWIDTH, method, prefetch)
+            fast = find_row(at, GOAL_BANDWIDTH, method, prefetch)
             if fast is None or bool(fast["prefetch"]) != bool(prefetch):
                 continue
             for base, target in bytes_goals:
-                slow = _find(at, GOAL_BANDWIDTH, base, prefetch)
+                slow = find_row(at, GOAL_BANDWIDTH, base, prefetch)
                 if slow is not None and bool(slow["prefetch"]) == bool(prefetch):
                     goals.append(_bytes_goal(fast, slow, target))
             for base, target in step_goals:
-                slow = _find(at, GOAL_BANDWIDTH, base, prefetch)
+                slow = find_row(at, GOAL_BANDWIDTH, base, prefetch)
                 if (
                     slow is not None
                     and bool(slow["prefetch"]) == bool(prefetch)
@@ -96,7 +96,7 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
             and not row["schedule_weighted"]
             and row["fraction_of_ideal_full_overlap"] is not None
         ):
-            goal = _goal(
+            goal = goal_row(
                 f"{row['label']} at the full-overlap ideal",
                 GOAL_BANDWIDTH,
                 row["fraction_of_ideal_full_overlap"],
@@ -122,7 +122,7 @@ def _bytes_goal(fast: dict, slow: dict, target: float) -> dict:
     value = fast["inter_node_bytes_per_step"] / slow["inter_node_bytes_per_step"]
     meter = _meter_total(fast, "inter_node") / _meter_total(slow, "inter_node")
     name = f"{fast['label']} / {slow['label']} inter-node bytes (veth){_weighted_suffix(fast)}"
-    goal = _goal(name, GOAL_BANDWIDTH, value, "<=", target)
+    goal = goal_row(name, GOAL_BANDWIDTH, value, "<=", target)
     goal["ideal"] = meter
     if goal["met"]:
         goal["reason"] = None
@@ -141,7 +141,7 @@ def _step_goal(fast: dict, slow: dict, target: float) -> dict:
     """``slow``'s step time over ``fast``'s >= ``target``; ideal: the same ratio of the full-overlap ideals."""
     value = slow["step_s"] / fast["step_s"]
     ideal = slow["ideal_full_overlap_s"] / fast["ideal_full_overlap_s"]
-    goal = _goal(
+    goal = goal_row(
         f"{slow['label']} / {fast['label']} step time{_weighted_suffix(fast)}", GOAL_BANDWIDTH, value, ">=", target
     )
     goal["ideal"] = ideal
@@ -242,10 +242,10 @@ def render_markdown(report: dict, image: str | None = None) -> str:
                 continue
             ring = "" if r["meter_source"] == "qaccel" else " (ring)"
             lines.append(
-                f"| {r['label']} | {step_cell(r)} | {_s(r['t_compute_s'])} | "
-                f"{_mb(r['inter_node_bytes_per_step'])} | {_mb(_meter_total(r, 'inter_node'))}{ring} | "
-                f"{_mb(r['intra_node_bytes_per_step'])} | {_mb(_meter_total(r, 'intra_node'))}{ring} | {_s(r['t_comm_s'])} | "
-                f"{_s(r['ideal_full_overlap_s'])} | {fraction_cell(r)} | {speedup_cells(r, ('fsdp2-fp32', 'hsdp-fp32'))} |"
+                f"| {r['label']} | {step_cell(r)} | {seconds_cell(r['t_compute_s'])} | "
+                f"{mb_cell(r['inter_node_bytes_per_step'])} | {mb_cell(_meter_total(r, 'inter_node'))}{ring} | "
+                f"{mb_cell(r['intra_node_bytes_per_step'])} | {mb_cell(_meter_total(r, 'intra_node'))}{ring} | {seconds_cell(r['t_comm_s'])} | "
+                f"{seconds_cell(r['ideal_full_overlap_s'])} | {fraction_cell(r)} | {speedup_cells(r, ('fsdp2-fp32', 'hsdp-fp32'))} |"
             )
         lines.append("")
     lines += _per_kind_table(report["results"])
@@ -314,7 +314,7 @@ def _per_kind_table(rows: list[dict]) -> list[str]:
             meter = k["meter_inter_node_bytes_per_rank"] * r["world_size"]
             lines.append(
                 f"| {r['label']} | {r['bandwidth']} | {kind} | {k['weight']:.4%} | {samples} | {k['seconds']['median']:.2f} | "
-                f"{_mb(k['inter_node_bytes'])} | {_mb(meter)} |"
+                f"{mb_cell(k['inter_node_bytes'])} | {mb_cell(meter)} |"
             )
     lines += [
         "",

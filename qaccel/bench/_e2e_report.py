@@ -171,7 +171,7 @@ def compute_summary(rows: list[dict]) -> dict:
     return out
 
 
-def _find(rows: list[dict], bandwidth: str, method: str, prefetch: bool | None) -> dict | None:
+def find_row(rows: list[dict], bandwidth: str, method: str, prefetch: bool | None) -> dict | None:
     for label in dict.fromkeys((config_label(method, prefetch), config_label(method, False))):
         for row in rows:
             if row["bandwidth"] == bandwidth and row["label"] == label and "step_s" in row:
@@ -189,7 +189,7 @@ def add_speedups(rows: list[dict]) -> None:
             continue
         row["speedup"] = {}
         for base in BASELINES:
-            other = _find(rows, row["bandwidth"], base, row["prefetch"])
+            other = find_row(rows, row["bandwidth"], base, row["prefetch"])
             if other is not None:
                 row["speedup"][base] = other["step_s"] / row["step_s"]
 
@@ -224,14 +224,14 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
     prefetches = sorted({r["prefetch"] for r in at if r["prefetch"] is not None}) or [False]
     for slow, fast, target, bandwidth in _RATIO_GOALS:
         for prefetch in prefetches if METHODS[fast].parallel == "fsdp" else [None]:
-            a, b = _find(done, bandwidth, slow, prefetch), _find(done, bandwidth, fast, prefetch)
+            a, b = find_row(done, bandwidth, slow, prefetch), find_row(done, bandwidth, fast, prefetch)
             if a is None or b is None or not bool(a["prefetch"]) == bool(b["prefetch"]) == bool(prefetch):
                 continue
             value = a["step_s"] / b["step_s"]
-            goals.append(_goal(f"{a['label']} / {b['label']} step time", bandwidth, value, ">=", target))
+            goals.append(goal_row(f"{a['label']} / {b['label']} step time", bandwidth, value, ">=", target))
     for row in at:
         if row["method"].startswith("qsdp-w") and row["fraction_of_ideal_full_overlap"] is not None:
-            goals.append(_goal(f"{row['label']} at the full-overlap ideal", GOAL_BANDWIDTH,
+            goals.append(goal_row(f"{row['label']} at the full-overlap ideal", GOAL_BANDWIDTH,
                                row["fraction_of_ideal_full_overlap"], ">=", QSDP_OVERLAP_GOAL))  # fmt: skip
     for method, kind, target, against in _KIND_GOALS:
         # the row as users get it, and with the smaller DDP buckets that let more of the transfer overlap
@@ -243,27 +243,27 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
                 name, value = f"{row['label']} {kind} step / max(T_compute, T_comm)", figures["over_ideal_full_overlap"]
             else:
                 name, value = f"{row['label']} {kind} step / T_compute", figures["seconds"]["median"] / row["t_compute_s"]
-            goals.append(_goal(name, ONEBIT_GOAL_BANDWIDTH, value, "<=", target))
+            goals.append(goal_row(name, ONEBIT_GOAL_BANDWIDTH, value, "<=", target))
     for off in [r for r in done if r["method"] == "qsdp-off"]:
-        stock = _find(done, off["bandwidth"], "fsdp2-fp32", off["prefetch"])
+        stock = find_row(done, off["bandwidth"], "fsdp2-fp32", off["prefetch"])
         if stock is not None and bool(stock["prefetch"]) == bool(off["prefetch"]):
-            goals.append(_goal(f"{off['label']} overhead vs {stock['label']}", off["bandwidth"],
+            goals.append(goal_row(f"{off['label']} overhead vs {stock['label']}", off["bandwidth"],
                                off["step_s"] / stock["step_s"] - 1, "<=", 0.03))  # fmt: skip
     return goals
 
 
-def _goal(name: str, bandwidth: str, value: float, op: str, target: float) -> dict:
+def goal_row(name: str, bandwidth: str, value: float, op: str, target: float) -> dict:
     met = value >= target if op == ">=" else value <= target
     missed_by = None if met else (target - value if op == ">=" else value - target)
     return {"goal": name, "bandwidth": bandwidth, "value": value, "op": op, "target": target, "met": met, "missed_by": missed_by}
 
 
 # -- Markdown -----------------------------------------------------------------------------------------
-def _mb(x: float | None) -> str:
+def mb_cell(x: float | None) -> str:
     return "-" if x is None else f"{x / 1e6:.2f}"
 
 
-def _s(x: float | None, digits: int = 2) -> str:
+def seconds_cell(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
@@ -331,9 +331,9 @@ def render_markdown(report: dict, image: str | None = None) -> str:
                 continue
             lines.append(
                 f"| {r['label']} | {step_cell(r)} | "
-                f"{_mb(r['link_bytes_per_rank_step'])} | {_mb(r['meter_bytes_per_rank_step'])}"
-                f"{'' if r['meter_source'] == 'qaccel' else ' (ring)'} | {_s(r['link_over_meter'])} | {_s(r['t_comm_s'])} | "
-                f"{_s(r['ideal_no_overlap_s'])} | {_s(r['ideal_full_overlap_s'])} | {fraction_cell(r)} | "
+                f"{mb_cell(r['link_bytes_per_rank_step'])} | {mb_cell(r['meter_bytes_per_rank_step'])}"
+                f"{'' if r['meter_source'] == 'qaccel' else ' (ring)'} | {seconds_cell(r['link_over_meter'])} | {seconds_cell(r['t_comm_s'])} | "
+                f"{seconds_cell(r['ideal_no_overlap_s'])} | {seconds_cell(r['ideal_full_overlap_s'])} | {fraction_cell(r)} | "
                 + speedup_cells(r, ("fsdp2-fp32", "fsdp2-fp32-a2a", "fsdp2-bf16", "ddp-adamw"))
                 + " |"
             )
@@ -352,7 +352,7 @@ def render_markdown(report: dict, image: str | None = None) -> str:
             for kind, k in r["per_kind"].items():
                 lines.append(
                     f"| {r['label']} | {r['bandwidth']} | {kind} | {k['weight']:.4%} | {k['seconds']['median']:.2f} | "
-                    f"{_mb(k['link_bytes'] / r['world_size'])} | {k['t_comm_s']:.2f} | {k['ideal_full_overlap_s']:.2f} | "
+                    f"{mb_cell(k['link_bytes'] / r['world_size'])} | {k['t_comm_s']:.2f} | {k['ideal_full_overlap_s']:.2f} | "
                     f"{k['over_ideal_full_overlap']:.2f} |"
                 )
         lines.append("")

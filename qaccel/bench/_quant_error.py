@@ -46,7 +46,7 @@ import torch
 
 from ..quant import PayloadSpec, _backend, decode_payloads, encode_payloads, reference
 from ._figures import headless_pyplot, png_path, save_figure
-from .quant import QuantInputError, parse_bits
+from ._quant_inputs import QuantInputError, parse_bits
 
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ import torch
 
 from ..quant import _backend, reference
 from ._figures import headless_pyplot, png_path, save_figure
+from ._quant_inputs import QuantInputError, parse_bits, parse_int_list
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ STUDIES = ("throughput", "error")
 # Defaults of the throughput study's flags (None on the command line means "not given"); --bits and --bucket_size are
 # shared with the error study, which has its own defaults (_quant_error.ERROR_DEFAULTS).
 THROUGHPUT_DEFAULTS = {"bits": "8,4", "bucket_size": 1024, "numel": 1 << 26, "reference_numel": 1 << 23, "threads": "1,all"}
-
-
-class QuantInputError(ValueError):
-    """Bad ``qaccel bench quant`` input: one line on stderr, exit status 2."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,28 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--png", default=None, help="write the figure here (default: next to --json)")
     _quant_error.add_arguments(parser)
-
-
-def _parse_list(name: str, text: str, allow_all: bool = False) -> list[int | str]:
-    values: list[int | str] = []
-    for item in text.split(","):
-        item = item.strip()
-        if allow_all and item == "all":
-            values.append(item)
-            continue
-        try:
-            values.append(int(item))
-        except ValueError:
-            raise QuantInputError(f"--{name}={text!r}: expected comma-separated integers{' or all' if allow_all else ''}") from None
-    return values
-
-
-def parse_bits(text: str) -> list[int]:
-    """``--bits``: comma-separated code widths, each in [2, 8]."""
-    bits_list = [int(bits) for bits in _parse_list("bits", text)]
-    if any(not 2 <= bits <= 8 for bits in bits_list):
-        raise QuantInputError(f"--bits={text!r}: every value must be in [2, 8]")
-    return bits_list
 
 
 def _timer(device: torch.device):
@@ -228,7 +203,7 @@ def _run_throughput(args: argparse.Namespace) -> dict:
     for name in ("numel", "reference_numel", "repeats", "bucket_size"):
         if getattr(args, name) < 1:
             raise QuantInputError(f"--{name}={getattr(args, name)}: must be >= 1")
-    threads = _parse_list("threads", args.threads, allow_all=True)
+    threads = parse_int_list("threads", args.threads, allow_all=True)
     default_threads = torch.get_num_threads()
     settings: dict = {}
     try:

@@ -255,7 +255,7 @@ def _text_column(source: DataSource, columns: dict[str, Any]) -> str:
     return strings[0]
 
 
-def _columns(source: DataSource, task: str, features: dict[str, Any]) -> dict[str, str]:
+def text_columns(source: DataSource, task: str, features: dict[str, Any]) -> dict[str, str]:
     """Resolve and check the column mapping against the dataset's features: role -> column."""
     classify = task == "sequence-classification"
     roles = {"text": _text_column(source, features)}
@@ -299,7 +299,7 @@ def check_data_source(source: DataSource, task: str) -> None:
         check_stream(source, task)
         return
     train, validation = load_raw_splits(source, seed=0)
-    roles = _columns(source, task, train.features)
+    roles = text_columns(source, task, train.features)
     if task == "sequence-classification":
         _label_names(train, validation, roles["label"])  # float or negative labels: refused now, not on one rank later
     missing = set(train.column_names) - set(validation.column_names)
@@ -343,7 +343,7 @@ def _classification(table: datasets.Dataset, roles: dict[str, str], label_ids: d
     return table.map(encode, batched=True, remove_columns=table.column_names, new_fingerprint=fingerprint, desc="tokenizing")
 
 
-def _group_texts(text: str, tokenizer, block: int, masked: bool) -> Any:
+def packing_map(text: str, tokenizer, block: int, masked: bool) -> Any:
     """run_clm's ``group_texts``: a batched ``map`` function packing a batch of texts into blocks."""
     from .data import pack_blocks, tokenize_documents
 
@@ -363,13 +363,13 @@ def _group_texts(text: str, tokenizer, block: int, masked: bool) -> Any:
 
 def _language_model(table: datasets.Dataset, text: str, tokenizer, block: int, masked: bool, fingerprint: str) -> datasets.Dataset:
     table = table.filter(lambda t: bool(t), input_columns=text, new_fingerprint=fingerprint + "-nonempty")
-    group_texts = _group_texts(text, tokenizer, block, masked)
+    group_texts = packing_map(text, tokenizer, block, masked)
     return table.map(
         group_texts, batched=True, batch_size=GROUP_BATCH, remove_columns=table.column_names, new_fingerprint=fingerprint, desc=f"tokenizing and packing into blocks of {block}"
     )
 
 
-def _collator(task: str, tokenizer, mlm_probability: float) -> Any:
+def task_collator(task: str, tokenizer, mlm_probability: float) -> Any:
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, default_data_collator
 
     if task == "causal-lm":
@@ -398,7 +398,7 @@ def load_user_data(source: DataSource, task: str, tokenizer: PreTrainedTokenizer
 
         return load_stream(source, task, tokenizer, seed=seed, mlm_probability=mlm_probability)
     train_raw, eval_raw = load_raw_splits(source, seed=seed)
-    roles = _columns(source, task, train_raw.features)
+    roles = text_columns(source, task, train_raw.features)
     digest = tokenizer_digest(tokenizer)
     block = source.max_seq_length
     label_names, label_ids = _label_names(train_raw, eval_raw, roles["label"]) if task == "sequence-classification" else (None, None)
@@ -417,7 +417,7 @@ def load_user_data(source: DataSource, task: str, tokenizer: PreTrainedTokenizer
         evaluation = evaluation.select(range(min(source.max_eval_samples, len(evaluation))))
     train.set_format("torch")
     evaluation.set_format("torch")
-    collator = _collator(task, tokenizer, mlm_probability)
+    collator = task_collator(task, tokenizer, mlm_probability)
     info = {
         "dataset": source.hub_id or source.train_file or source.dataset_name,
         "columns": roles,

@@ -43,7 +43,7 @@ import torch
 
 from ..checkpoint import STREAM_STATE_FILE, atomic_write_json, read_json
 from .stream_holdout import check_holdout, holdout
-from .user_data import GROUP_BATCH, DataSource, _collator, _columns, _group_texts, load_raw_splits
+from .user_data import GROUP_BATCH, DataSource, load_raw_splits, packing_map, task_collator, text_columns
 
 if TYPE_CHECKING:
     import datasets
@@ -78,18 +78,18 @@ def check_stream(source: DataSource, task: str) -> None:
             ``validation_split_percentage`` that cannot be honoured (``stream_holdout.check_holdout``).
     """
     train, validation = load_raw_splits(source, seed=0)
-    _columns(source, task, _features(train))
+    text_columns(source, task, _features(train))
     if validation is None:  # the stream's head is held out
         check_holdout(source, train)
     else:
-        _columns(source, task, _features(validation))
+        text_columns(source, task, _features(validation))
 
 
 def _packed(table: datasets.IterableDataset, source: DataSource, task: str, tokenizer: Any) -> datasets.IterableDataset:
     features = _features(table)
-    text = _columns(source, task, features)["text"]
+    text = text_columns(source, task, features)["text"]
     table = table.filter(lambda t: bool(t), input_columns=text)
-    group_texts = _group_texts(text, tokenizer, source.max_seq_length, task == "masked-lm")
+    group_texts = packing_map(text, tokenizer, source.max_seq_length, task == "masked-lm")
     return table.map(group_texts, batched=True, batch_size=GROUP_BATCH, remove_columns=list(features))
 
 
@@ -185,7 +185,7 @@ def load_stream(
     train_raw, eval_raw = load_raw_splits(source, seed=seed)
     held = None
     if eval_raw is None:  # --validation_split_percentage: the stream's head, skipped before the shuffle
-        held = holdout(source, train_raw, _columns(source, task, _features(train_raw))["text"], tokenizer)
+        held = holdout(source, train_raw, text_columns(source, task, _features(train_raw))["text"], tokenizer)
         train_raw, eval_raw = train_raw.skip(held.documents), train_raw.take(held.documents)
         if rank == 0 and held.rule == "blocks":
             logger.warning("--streaming: the size of %r is not known; held out its first %d documents (--max_eval_samples blocks), not --validation_split_percentage=%s", where, held.documents, source.validation_split_percentage)
@@ -208,7 +208,7 @@ def load_stream(
         **({"held_out_documents": held.documents, "holdout": held.rule} if held is not None else {}),
     }
     blocks = StreamingBlocks(train, rank=rank, world_size=world_size, where=where, stride=held is not None)
-    return DataSplits(train=blocks, eval=evaluation, collator=_collator(task, tokenizer, mlm_probability), label_names=None, info=info)
+    return DataSplits(train=blocks, eval=evaluation, collator=task_collator(task, tokenizer, mlm_probability), label_names=None, info=info)
 
 
 def write_stream_state(folder: str | Path, states: list[dict[str, int]]) -> None:

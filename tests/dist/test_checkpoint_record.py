@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests._dist import run_ranks
+from tests._record_models import Stack, stack_batch
 
 RECORD = Path(__file__).with_name("checkpoint_record")
 CASES = ("qsdp_w4g4_error_feedback", "zero_one_adam_ddp", "onebit_adam_ddp")
@@ -79,35 +80,20 @@ def _qsdp_run():
     return model, step, save, load
 
 
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = nn.Embedding(8, 24)
-        self.layers = nn.ModuleList(nn.Linear(24, 24) for _ in range(3))
-        self.head = nn.Linear(24, 3)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.table(idx)
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return self.head(h)
-
-
 def _onebit_run(which: str):
     from torch.nn.parallel import DistributedDataParallel
 
     from qaccel.optim import OneBitAdam, ZeroOneAdam, register_ddp_comm_hook
 
     torch.manual_seed(0)
-    net = _Stack()
+    net = Stack()
     ddp = DistributedDataParallel(net, bucket_cap_mb=0.004)
     cls, hyper = (ZeroOneAdam, ZERO_ONE) if which == "zero_one" else (OneBitAdam, ONEBIT)
     optimizer = cls(net.parameters(), **hyper)
     register_ddp_comm_hook(ddp, optimizer)
 
     def step(rank: int, index: int) -> None:
-        generator = torch.Generator().manual_seed(100 * index + rank)
-        idx, target = torch.randperm(16, generator=generator) % 8, torch.randn(16, 3, generator=generator)
+        idx, target = stack_batch(rank, index)
         nn.functional.mse_loss(ddp(idx), target).backward()
         optimizer.step()
         optimizer.zero_grad()

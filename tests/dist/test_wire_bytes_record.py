@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests._dist import run_ranks
+from tests._record_models import Stack, stack_batch
 
 RECORD = Path(__file__).with_name("wire_bytes_record.json")
 TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 16, "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -210,25 +211,6 @@ def _recorder(replica_group, shard_group) -> CallRecorder:
     return CallRecorder(replica, shard)
 
 
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = nn.Embedding(8, 24)
-        self.layers = nn.ModuleList(nn.Linear(24, 24) for _ in range(3))
-        self.head = nn.Linear(24, 3)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.table(idx)
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return self.head(h)
-
-
-def _onebit_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randperm(16, generator=generator) % 8, torch.randn(16, 3, generator=generator)
-
-
 def _onebit_ddp_case(rank: int, which: str, overlap: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -236,7 +218,7 @@ def _onebit_ddp_case(rank: int, which: str, overlap: bool) -> dict:
     from qaccel.optim import OneBitAdam, ZeroOneAdam, register_ddp_comm_hook
 
     torch.manual_seed(0)
-    net = _Stack()
+    net = Stack()
     ddp = DistributedDataParallel(net, bucket_cap_mb=0.004)
     meter = WireMeter()
     cls, hyper = (ZeroOneAdam, ZERO_ONE) if which == "zero_one" else (OneBitAdam, ONEBIT)
@@ -248,7 +230,7 @@ def _onebit_ddp_case(rank: int, which: str, overlap: bool) -> dict:
         meter.end_step()
         steps = []
         for step in range(ONEBIT_STEPS):
-            idx, target = _onebit_batch(rank, step)
+            idx, target = stack_batch(rank, step)
             nn.functional.mse_loss(ddp(idx), target).backward()
             optimizer.step()
             optimizer.zero_grad()

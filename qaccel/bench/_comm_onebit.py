@@ -177,8 +177,45 @@ def measure(args: argparse.Namespace) -> dict:
     logger.info("bench comm onebit: %s on %d CPU ranks", args.onebit_model, world_size)
     jobs = [(args.onebit_model, method, args.onebit_granularity) for method in ("DDP AdamW fp32", "1-bit Adam", "0/1 Adam")]
     probes = {out["method"]: out for out in run_on_cpu_ranks(_probe, world_size, jobs, "bench comm onebit", pg_timeout_s=900)[0]}
-    counts = _schedule_counts(args)
     total = args.onebit_total_steps
+    rows = _schedule_rows(probes, _schedule_counts(args), total)
+    verified = _onebit_bytes_match_formula(probes)
+    zero_one = next(row for row in rows if row["method"] == "0/1 Adam")
+    return {
+        "title": f"1-bit / 0/1 Adam vs DDP AdamW: bytes and rounds over a {total}-step schedule "
+        f"({args.onebit_model}, {world_size} ranks)",
+        "baseline": "DDP AdamW fp32",
+        "model": args.onebit_model,
+        "num_params": probes["0/1 Adam"]["num_params"],
+        "world_size": world_size,
+        "granularity": args.onebit_granularity,
+        "schedule": {
+            "total_steps": total,
+            "var_freeze_step": args.onebit_var_freeze_step,
+            "var_update_scaler": args.onebit_var_update_scaler,
+            "local_step_scaler": args.onebit_local_step_scaler,
+            "local_step_clipper": args.onebit_local_step_clipper,
+            "onebit_freeze_step": args.onebit_freeze_step,
+        },
+        "onebit_bytes_match_formula": verified,
+        "goal": {
+            "bytes_ratio_max": 1 / 40,
+            "rounds_ratio_max": 0.5,
+            "met": zero_one["ratio_vs_baseline"] <= 1 / 40 and zero_one["rounds_ratio_vs_baseline"] <= 0.5,
+        },
+        "rows": rows,
+        "how": "bytes per step kind recorded by the wire meter on real DDP steps over gloo; step kinds counted "
+        "by running the optimizers' schedules for the whole job; a round is a step that communicates",
+        "optimizer_step_how": "wall-clock seconds of optimizer.step() on rank 0 (one thread per rank), median over "
+        "the probe's steps of each kind without the kind's first step and without a step that changes the phase "
+        "(both allocate state; a kind with no other step reports those, one_time_only); steps of the compressed "
+        "kinds include their 1-bit collectives; optimizer_step_seconds_mean weights the kinds by the schedule",
+    }
+
+
+def _schedule_rows(probes: dict[str, dict], counts: dict[str, dict[str, int]], total: int) -> list[dict]:
+    """One row per method: the measured bytes of each step kind times its count over the ``total``-step schedule;
+    the first row is the DDP AdamW baseline, which every ratio divides by."""
     baseline = probes["DDP AdamW fp32"]["by_kind"]["step"]
     rows = [
         {
@@ -212,44 +249,18 @@ def measure(args: argparse.Namespace) -> dict:
         row["recv_bytes_per_step"] = row["total_recv_bytes"] // total
         row["ratio_vs_baseline"] = round(row["total_sent_bytes"] / rows[0]["total_sent_bytes"], 5)
         row["rounds_ratio_vs_baseline"] = round(row["rounds"] / rows[0]["rounds"], 4)
+    return rows
+
+
+def _onebit_bytes_match_formula(probes: dict[str, dict]) -> bool:
+    """Whether every recorded 1-bit step sent exactly the bytes :func:`qaccel.comm.onebit_wire_bytes` gives."""
     onebit_kinds = {"onebit_gradient", "sync", "onebit_momentum"}
-    verified = all(
+    return all(
         probe["by_kind"][kind]["sent_bytes"] == probe["onebit_call_bytes_formula"]
         for probe in probes.values()
         for kind in probe["by_kind"]
         if kind in onebit_kinds
     )
-    zero_one = next(row for row in rows if row["method"] == "0/1 Adam")
-    return {
-        "title": f"1-bit / 0/1 Adam vs DDP AdamW: bytes and rounds over a {total}-step schedule "
-        f"({args.onebit_model}, {world_size} ranks)",
-        "baseline": "DDP AdamW fp32",
-        "model": args.onebit_model,
-        "num_params": probes["0/1 Adam"]["num_params"],
-        "world_size": world_size,
-        "granularity": args.onebit_granularity,
-        "schedule": {
-            "total_steps": total,
-            "var_freeze_step": args.onebit_var_freeze_step,
-            "var_update_scaler": args.onebit_var_update_scaler,
-            "local_step_scaler": args.onebit_local_step_scaler,
-            "local_step_clipper": args.onebit_local_step_clipper,
-            "onebit_freeze_step": args.onebit_freeze_step,
-        },
-        "onebit_bytes_match_formula": verified,
-        "goal": {
-            "bytes_ratio_max": 1 / 40,
-            "rounds_ratio_max": 0.5,
-            "met": zero_one["ratio_vs_baseline"] <= 1 / 40 and zero_one["rounds_ratio_vs_baseline"] <= 0.5,
-        },
-        "rows": rows,
-        "how": "bytes per step kind recorded by the wire meter on real DDP steps over gloo; step kinds counted "
-        "by running the optimizers' schedules for the whole job; a round is a step that communicates",
-        "optimizer_step_how": "wall-clock seconds of optimizer.step() on rank 0 (one thread per rank), median over "
-        "the probe's steps of each kind without the kind's first step and without a step that changes the phase "
-        "(both allocate state; a kind with no other step reports those, one_time_only); steps of the compressed "
-        "kinds include their 1-bit collectives; optimizer_step_seconds_mean weights the kinds by the schedule",
-    }
 
 
 def _step_time_fields(step_seconds: dict[str, dict], steps_by_kind: dict[str, int]) -> dict:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+from ._e2e_compare import find_row, goal_row
 from ._e2e_methods import PAPER_SCHEDULES
-from ._e2e_report import failed_line, find_row, fraction_cell, goal_row, mb_cell, seconds_cell, speedup_cells, step_cell
-from ._e2e_report import write_markdown as _write_block
+from ._e2e_render import failed_line, fraction_cell, mb_cell, seconds_cell, speedup_cells, step_cell
+from ._e2e_render import write_markdown as _write_block
 
 __all__ = [
     "evaluate_goals",
@@ -197,12 +198,36 @@ def _load(report: dict) -> str:
 
 def render_markdown(report: dict, image: str | None = None) -> str:
     """The BENCHMARKS.md section of a several-node run: settings, the cluster, one table per bandwidth, goals."""
+    lines = [MARK_BEGIN, *_header_lines(report)]
+    for bandwidth in dict.fromkeys(r["bandwidth"] for r in report["results"]):
+        lines += _bandwidth_table(report, bandwidth)
+    lines += _per_kind_table(report["results"])
+    lines += _goal_lines(report["goals"])
+    if image:
+        lines += [f"![qaccel bench e2e --nodes]({image})", ""]
+    lines += [
+        "Columns: *inter-node veth* is the sum over nodes of the veth's `tx_bytes` over the step (every byte between nodes "
+        "counted once, where it leaves its node); *intra-node lo* the sum of every node's loopback `tx_bytes`. *meter* is the "
+        "whole job's bytes by level (per rank x ranks): qaccel's wire meter, or for stock FSDP2 and HSDP (*ring*) the ring "
+        "formula applied to every collective torch issued; a collective counts as inter-node when its group spans nodes, so "
+        "every collective of a flat method (FSDP2 or QSDP over all ranks) is inter-node, and for HSDP and hierarchical QSDP "
+        "only the replica traffic (the 1-bit rows on HSDP shards: the exact all-reduce of full steps and the 1-bit "
+        "optimizer's compressed all-reduce, meter kinds `hsdp.*`). `T_comm` = the busiest direction's veth bytes x 8 / rate (each direction of each link "
+        "has the full rate; the loopbacks are unshaped and counted as free). Ideal: `max(T_compute, T_comm)`, with "
+        "`T_compute` measured in the same job. *at the ideals*: the goal's figure if every row ran at its full-overlap ideal "
+        "(step-time goals) or as the meter's formulas say (bytes goals).",
+        MARK_END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(report: dict) -> list[str]:
+    """The title, the machine, the cluster and settings, the command and the compute-only times."""
     s, m, ns = report["settings"], report["machine"], report["namespace"]
     compute = ", ".join(
         f"{k} {v['median_s']:.3f} s [{v['min_s']:.3f}, {v['max_s']:.3f}]" for k, v in report["compute_only"].items()
     )
-    lines = [
-        MARK_BEGIN,
+    return [
         f"## Two nodes (simulated): `qaccel bench e2e --nodes {s['nodes']}`",
         "",
         f"Measured {report['finished']} on {m['cpu']} ({m['cpus']} CPUs, {m['memory_gib']:.0f} GiB, Linux {m['kernel']}), torch "
@@ -222,64 +247,56 @@ def render_markdown(report: dict, image: str | None = None) -> str:
         f"once; median over the jobs [min, max]): {compute}.",
         "",
     ]
-    for bandwidth in dict.fromkeys(r["bandwidth"] for r in report["results"]):
-        shaping = report["shaping"].get(bandwidth)
-        how = (
-            f"tbf rate {bandwidth} each way, burst {shaping['burst_bytes']} B, latency {shaping['latency']}"
-            if shaping
-            else "unshaped veths"
-        )
-        lines += [
-            f"### {bandwidth} between nodes ({how})",
-            "",
-            "| configuration | step s (median [min, max]) | T_compute s | inter-node MB/step: veth | meter | intra-node MB/step: lo | "
-            "meter | T_comm s | ideal full overlap s | of ideal | vs FSDP2 fp32 | vs HSDP fp32 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in (r for r in report["results"] if r["bandwidth"] == bandwidth):
-            if "step_s" not in r:
-                lines.append(failed_line(r))
-                continue
-            ring = "" if r["meter_source"] == "qaccel" else " (ring)"
-            lines.append(
-                f"| {r['label']} | {step_cell(r)} | {seconds_cell(r['t_compute_s'])} | "
-                f"{mb_cell(r['inter_node_bytes_per_step'])} | {mb_cell(_meter_total(r, 'inter_node'))}{ring} | "
-                f"{mb_cell(r['intra_node_bytes_per_step'])} | {mb_cell(_meter_total(r, 'intra_node'))}{ring} | {seconds_cell(r['t_comm_s'])} | "
-                f"{seconds_cell(r['ideal_full_overlap_s'])} | {fraction_cell(r)} | {speedup_cells(r, ('fsdp2-fp32', 'hsdp-fp32'))} |"
-            )
-        lines.append("")
-    lines += _per_kind_table(report["results"])
-    if report["goals"]:
-        lines += [
-            "### Goals (two nodes)",
-            "",
-            "| goal | at | measured | at the ideals | target | met | what limits it |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for g in report["goals"]:
-            verdict = "yes" if g["met"] else f"**no** (missed by {g['missed_by']:.3g})"
-            reason = (g.get("reason") or "").replace("|", "/")
-            lines.append(
-                f"| {g['goal']} | {g['bandwidth']} | {g['value']:.3g} | {g['ideal']:.3g} | {g['op']} {g['target']:.3g} | {verdict} | {reason} |"
-            )
-        lines.append("")
-    if image:
-        lines += [f"![qaccel bench e2e --nodes]({image})", ""]
-    lines += [
-        "Columns: *inter-node veth* is the sum over nodes of the veth's `tx_bytes` over the step (every byte between nodes "
-        "counted once, where it leaves its node); *intra-node lo* the sum of every node's loopback `tx_bytes`. *meter* is the "
-        "whole job's bytes by level (per rank x ranks): qaccel's wire meter, or for stock FSDP2 and HSDP (*ring*) the ring "
-        "formula applied to every collective torch issued; a collective counts as inter-node when its group spans nodes, so "
-        "every collective of a flat method (FSDP2 or QSDP over all ranks) is inter-node, and for HSDP and hierarchical QSDP "
-        "only the replica traffic (the 1-bit rows on HSDP shards: the exact all-reduce of full steps and the 1-bit "
-        "optimizer's compressed all-reduce, meter kinds `hsdp.*`). `T_comm` = the busiest direction's veth bytes x 8 / rate (each direction of each link "
-        "has the full rate; the loopbacks are unshaped and counted as free). Ideal: `max(T_compute, T_comm)`, with "
-        "`T_compute` measured in the same job. *at the ideals*: the goal's figure if every row ran at its full-overlap ideal "
-        "(step-time goals) or as the meter's formulas say (bytes goals).",
-        MARK_END,
-    ]
-    return "\n".join(lines) + "\n"
 
+
+def _bandwidth_table(report: dict, bandwidth: str) -> list[str]:
+    """The table of every configuration run at ``bandwidth`` between the nodes, and how the veths were shaped."""
+    shaping = report["shaping"].get(bandwidth)
+    how = (
+        f"tbf rate {bandwidth} each way, burst {shaping['burst_bytes']} B, latency {shaping['latency']}"
+        if shaping
+        else "unshaped veths"
+    )
+    lines = [
+        f"### {bandwidth} between nodes ({how})",
+        "",
+        "| configuration | step s (median [min, max]) | T_compute s | inter-node MB/step: veth | meter | intra-node MB/step: lo | "
+        "meter | T_comm s | ideal full overlap s | of ideal | vs FSDP2 fp32 | vs HSDP fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in (r for r in report["results"] if r["bandwidth"] == bandwidth):
+        if "step_s" not in r:
+            lines.append(failed_line(r))
+            continue
+        ring = "" if r["meter_source"] == "qaccel" else " (ring)"
+        lines.append(
+            f"| {r['label']} | {step_cell(r)} | {seconds_cell(r['t_compute_s'])} | "
+            f"{mb_cell(r['inter_node_bytes_per_step'])} | {mb_cell(_meter_total(r, 'inter_node'))}{ring} | "
+            f"{mb_cell(r['intra_node_bytes_per_step'])} | {mb_cell(_meter_total(r, 'intra_node'))}{ring} | {seconds_cell(r['t_comm_s'])} | "
+            f"{seconds_cell(r['ideal_full_overlap_s'])} | {fraction_cell(r)} | {speedup_cells(r, ('fsdp2-fp32', 'hsdp-fp32'))} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _goal_lines(goals: list[dict]) -> list[str]:
+    """The goals table with each goal's figure at the ideals and what limits a missed one (none without goals)."""
+    if not goals:
+        return []
+    lines = [
+        "### Goals (two nodes)",
+        "",
+        "| goal | at | measured | at the ideals | target | met | what limits it |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for g in goals:
+        verdict = "yes" if g["met"] else f"**no** (missed by {g['missed_by']:.3g})"
+        reason = (g.get("reason") or "").replace("|", "/")
+        lines.append(
+            f"| {g['goal']} | {g['bandwidth']} | {g['value']:.3g} | {g['ideal']:.3g} | {g['op']} {g['target']:.3g} | {verdict} | {reason} |"
+        )
+    lines.append("")
+    return lines
 
 def _schedule_sentence(report: dict) -> str:
     """How the 1-bit rows were measured and weighted (empty when the run has none)."""
@@ -340,14 +357,8 @@ def plot(report: dict, png: str) -> None:
     labels = [r["label"] for r in at]
     fig, axes = plt.subplots(1, 3, figsize=(19, 5.5))
     axes[0].bar(pos, [r["step_s"] for r in at], width=0.6, label="step (median)")
-    axes[0].scatter(
-        pos,
-        [r["ideal_full_overlap_s"] or 0.0 for r in at],
-        marker="_",
-        s=400,
-        color="black",
-        label="ideal: max(T_compute, T_comm)",
-    )
+    axes[0].scatter(pos, [r["ideal_full_overlap_s"] or 0.0 for r in at], marker="_", s=400, color="black",
+                    label="ideal: max(T_compute, T_comm)")  # fmt: skip
     axes[0].scatter(pos, [r["t_compute_s"] or 0.0 for r in at], marker="x", color="tab:red", label="T_compute")
     axes[0].set_ylabel("seconds per step")
     axes[0].set_title("step time")

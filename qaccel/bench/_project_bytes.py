@@ -274,61 +274,62 @@ def step_collectives(
     if method.hierarchical and nodes < 2:
         raise ValueError(f"step_collectives: {method.name} replicates across nodes; nodes={nodes} must be >= 2")
     config = method.config()
-    shard_size = per_node if method.hierarchical else nodes * per_node
-    shard_group = "node" if method.hierarchical else "flat"
+    shards = _ShardGroup(per_node if method.hierarchical else nodes * per_node,
+                         "node" if method.hierarchical else "flat", nodes, per_node)  # fmt: skip
     out: list[Collective] = []
     for unit in model.units:
-        plan = _shard_plan(unit, shard_size, config)
-        chunk_numel = sum(n for n, _ in plan.segments)
-        ag_count = micro_batches * (1 if unit.root else 2)
-        # all-gather of the parameters in param_dtype
-        codec = config.weight_codec() if plan.enabled else None
-        if codec is None:
-            sent = ring_all_gather_bytes(chunk_numel * _itemsize(param_dtype), shard_size)
-            traffic = group_traffic(shard_group, "ring_all_gather", sent, nodes, per_node)
-            out.append(Collective(unit.name, unit.root, "all_gather", ag_count, traffic, shard_size - 1))
-        else:
-            layout = PayloadLayout(segments=plan.segments, codec=codec, elem_dtype=param_dtype)
-            sent = ring_all_gather_bytes(layout.nbytes, shard_size)
-            traffic = group_traffic(shard_group, "ring_all_gather", sent, nodes, per_node)
-            out.append(Collective(unit.name, unit.root, "all_gather", ag_count, traffic, shard_size - 1,
-                                  encode={codec.bits: chunk_numel}, decode={codec.bits: shard_size * chunk_numel}))  # fmt: skip
-        # reduce-scatter of the gradients in reduce_dtype
-        codec = config.grad_codec() if plan.enabled else None
-        if codec is None:
-            chunk_bytes = chunk_numel * _itemsize(reduce_dtype)
-            if backend == "gloo":
-                sent, algorithm, steps = (
-                    ring_all_reduce_bytes(shard_size * chunk_bytes, shard_size),
-                    "ring_all_reduce",
-                    2 * (shard_size - 1),
-                )
-            else:  # ring reduce-scatter: P-1 chunks, the same bytes and steps as a ring all-gather
-                sent, algorithm, steps = (
-                    ring_all_gather_bytes(chunk_bytes, shard_size),
-                    "ring_all_gather",
-                    shard_size - 1,
-                )
-            out.append(
-                Collective(
-                    unit.name,
-                    unit.root,
-                    "reduce_scatter",
-                    1,
-                    group_traffic(shard_group, algorithm, sent, nodes, per_node),
-                    steps,
-                )
-            )
-        else:
-            layout = PayloadLayout(segments=plan.segments, codec=codec, elem_dtype=reduce_dtype)
-            others = (shard_size - 1) * chunk_numel
-            out.append(Collective(unit.name, unit.root, "reduce_scatter", 1,
-                                  group_traffic(shard_group, "all_to_all", (shard_size - 1) * layout.nbytes, nodes, per_node), shard_size - 1,
-                                  encode={codec.bits: others}, decode={codec.bits: others}))  # fmt: skip
+        plan = _shard_plan(unit, shards.size, config)
+        out.append(_all_gather(unit, plan, config, shards, param_dtype, micro_batches))
+        out.append(_reduce_scatter(unit, plan, config, shards, reduce_dtype, backend))
         if method.hierarchical:
             out.extend(_replica_all_reduce(unit, plan, method, config, nodes, per_node, reduce_dtype))
     return out
 
+
+@dataclass(frozen=True)
+class _ShardGroup:
+    """The group a unit is sharded over: ``size`` ranks, laid out as ``group`` (:func:`group_traffic`) on the cluster."""
+
+    size: int
+    group: str
+    nodes: int
+    per_node: int
+
+    def traffic(self, algorithm: str, sent_per_rank: float) -> Traffic:
+        return group_traffic(self.group, algorithm, sent_per_rank, self.nodes, self.per_node)
+
+
+def _all_gather(unit: Unit, plan: UnitPlan, config: QSDPConfig, shards: _ShardGroup, param_dtype: torch.dtype,
+                micro_batches: int) -> Collective:  # fmt: skip
+    """The all-gather of the unit's parameters in ``param_dtype``: forward, and backward too except for the root."""
+    chunk_numel = sum(n for n, _ in plan.segments)
+    ag_count = micro_batches * (1 if unit.root else 2)
+    codec = config.weight_codec() if plan.enabled else None
+    if codec is None:
+        sent = ring_all_gather_bytes(chunk_numel * _itemsize(param_dtype), shards.size)
+        return Collective(unit.name, unit.root, "all_gather", ag_count, shards.traffic("ring_all_gather", sent), shards.size - 1)
+    layout = PayloadLayout(segments=plan.segments, codec=codec, elem_dtype=param_dtype)
+    sent = ring_all_gather_bytes(layout.nbytes, shards.size)
+    return Collective(unit.name, unit.root, "all_gather", ag_count, shards.traffic("ring_all_gather", sent), shards.size - 1,
+                      encode={codec.bits: chunk_numel}, decode={codec.bits: shards.size * chunk_numel})  # fmt: skip
+
+
+def _reduce_scatter(unit: Unit, plan: UnitPlan, config: QSDPConfig, shards: _ShardGroup, reduce_dtype: torch.dtype,
+                    backend: str) -> Collective:  # fmt: skip
+    """The reduce-scatter of the unit's gradients in ``reduce_dtype``: stock (by backend) or QSDP's quantized all-to-all."""
+    chunk_numel = sum(n for n, _ in plan.segments)
+    codec = config.grad_codec() if plan.enabled else None
+    if codec is not None:
+        layout = PayloadLayout(segments=plan.segments, codec=codec, elem_dtype=reduce_dtype)
+        others = (shards.size - 1) * chunk_numel
+        return Collective(unit.name, unit.root, "reduce_scatter", 1, shards.traffic("all_to_all", (shards.size - 1) * layout.nbytes),
+                          shards.size - 1, encode={codec.bits: others}, decode={codec.bits: others})  # fmt: skip
+    chunk_bytes = chunk_numel * _itemsize(reduce_dtype)
+    if backend == "gloo":  # gloo's reduce-scatter all-reduces the whole buffer
+        sent, algorithm, steps = ring_all_reduce_bytes(shards.size * chunk_bytes, shards.size), "ring_all_reduce", 2 * (shards.size - 1)
+    else:  # ring reduce-scatter: P-1 chunks, the same bytes and steps as a ring all-gather
+        sent, algorithm, steps = ring_all_gather_bytes(chunk_bytes, shards.size), "ring_all_gather", shards.size - 1
+    return Collective(unit.name, unit.root, "reduce_scatter", 1, shards.traffic(algorithm, sent), steps)
 
 def _replica_all_reduce(
     unit: Unit, plan: UnitPlan, method: Method, config: QSDPConfig, nodes: int, per_node: int, reduce_dtype: torch.dtype

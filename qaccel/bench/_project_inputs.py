@@ -121,70 +121,55 @@ def measured_configs(report: dict, source: str, where: str) -> tuple[list[Measur
     compute_only = report.get("compute_only") or {}
     measured, skipped = [], []
     for row in rows:
-        name = str(row.get("method", "?"))
-        label = str(row.get("label") or name)
-        at = row.get("bandwidth") or row.get("rate_bits_per_s")
-        method, compute = _base_method(name, row)
-        if method is None:
-            skipped.append(
-                {
-                    "source": source,
-                    "label": label,
-                    "bandwidth": at,
-                    "reason": "not a sharded (FSDP2/HSDP/QSDP) method: outside this model",
-                }
-            )
-            continue
-        if not isinstance(row.get("step_s"), (int, float)):
-            skipped.append(
-                {
-                    "source": source,
-                    "label": label,
-                    "bandwidth": at,
-                    "reason": f"no step time ({row.get('error') or 'failed'})",
-                }
-            )
-            continue
-        compute_s = row.get("t_compute_s")
-        if not isinstance(compute_s, (int, float)):
-            compute_s = (compute_only.get(compute) or {}).get("median_s")
-        if not isinstance(compute_s, (int, float)):
-            skipped.append(
-                {"source": source, "label": label, "bandwidth": at, "reason": f"no compute-only time for {compute}"}
-            )
-            continue
-        if METHODS[method].hierarchical and nodes < 2:
-            skipped.append(
-                {"source": source, "label": label, "bandwidth": at, "reason": "hierarchical method on one node"}
-            )
-            continue
-        link: dict[str, float] = {}
-        for key, level in (
-            ("link_bytes_per_step", "link"),
-            ("inter_node_bytes_per_step", "inter_node"),
-            ("intra_node_bytes_per_step", "intra_node"),
-        ):
-            if isinstance(row.get(key), (int, float)):
-                link[level] = float(row[key])
-        rate = row.get("rate_bits_per_s")
-        measured.append(
-            Measured(
-                source=source,
-                label=label,
-                method=method,
-                compute=compute,
-                prefetch=bool(row.get("prefetch")),
-                rate_bits=float(rate) if isinstance(rate, (int, float)) else None,
-                nodes=nodes,
-                per_node=per_node,
-                step_s=float(row["step_s"]),
-                step_min_s=row.get("step_s_min"),
-                step_max_s=row.get("step_s_max"),
-                compute_s=float(compute_s),
-                link_bytes=link,
-            )  # fmt: skip
-        )
+        found = _measured_row(row, source, nodes, per_node, compute_only)
+        if isinstance(found, Measured):
+            measured.append(found)
+        else:
+            label = str(row.get("label") or row.get("method", "?"))
+            skipped.append({"source": source, "label": label, "bandwidth": row.get("bandwidth") or row.get("rate_bits_per_s"),
+                            "reason": found})  # fmt: skip
     return measured, skipped
+
+
+def _measured_row(row: dict, source: str, nodes: int, per_node: int, compute_only: dict) -> Measured | str:
+    """One e2e row as a :class:`Measured` configuration, or the reason it is skipped."""
+    name = str(row.get("method", "?"))
+    method, compute = _base_method(name, row)
+    if method is None:
+        return "not a sharded (FSDP2/HSDP/QSDP) method: outside this model"
+    if not isinstance(row.get("step_s"), (int, float)):
+        return f"no step time ({row.get('error') or 'failed'})"
+    compute_s = row.get("t_compute_s")
+    if not isinstance(compute_s, (int, float)):
+        compute_s = (compute_only.get(compute) or {}).get("median_s")
+    if not isinstance(compute_s, (int, float)):
+        return f"no compute-only time for {compute}"
+    if METHODS[method].hierarchical and nodes < 2:
+        return "hierarchical method on one node"
+    link: dict[str, float] = {}
+    for key, level in (
+        ("link_bytes_per_step", "link"),
+        ("inter_node_bytes_per_step", "inter_node"),
+        ("intra_node_bytes_per_step", "intra_node"),
+    ):
+        if isinstance(row.get(key), (int, float)):
+            link[level] = float(row[key])
+    rate = row.get("rate_bits_per_s")
+    return Measured(
+        source=source,
+        label=str(row.get("label") or name),
+        method=method,
+        compute=compute,
+        prefetch=bool(row.get("prefetch")),
+        rate_bits=float(rate) if isinstance(rate, (int, float)) else None,
+        nodes=nodes,
+        per_node=per_node,
+        step_s=float(row["step_s"]),
+        step_min_s=row.get("step_s_min"),
+        step_max_s=row.get("step_s_max"),
+        compute_s=float(compute_s),
+        link_bytes=link,
+    )
 
 
 def codec_rates(report: dict, where: str, *, threads: int | None = None, cuda: bool = False) -> CodecRates | None:

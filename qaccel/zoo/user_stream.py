@@ -6,8 +6,8 @@ is opened with ``load_dataset(..., streaming=True)`` (a ``save_to_disk`` folder 
 
 1. ``shuffle(seed, buffer_size=streaming_shuffle_buffer)``: the shard order and a buffer of
    documents; ``set_epoch(e)`` reseeds both for epoch ``e``;
-2. a filter of empty texts and run_clm's ``group_texts`` as a batched ``map`` (1000 texts per batch,
-   the same packing as the non-streaming path);
+2. a filter of empty texts and run_clm's ``group_texts`` as a batched ``map`` (1000 texts per batch):
+   ``pipeline.pack_table``, the same step as the map-style path's;
 3. ``datasets.distributed.split_dataset_by_node``: with a number of files (shards) divisible by the
    world size each rank reads its own files; otherwise every rank reads the whole stream and keeps
    every ``world_size``-th block (disjoint, but each rank tokenizes everything).
@@ -42,13 +42,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..checkpoint import STREAM_STATE_FILE, atomic_write_json, read_json
+from .data_source import DataSource
+from .pipeline import DataSplits, pack_table, task_collator, text_columns
+from .recipes import DEFAULT_MLM_PROBABILITY
+from .sources import load_raw_splits
 from .stream_holdout import check_holdout, holdout
-from .user_data import GROUP_BATCH, DataSource, load_raw_splits, packing_map, task_collator, text_columns
 
 if TYPE_CHECKING:
     import datasets
-
-    from .data import DataSplits
 
 __all__ = ["DEFAULT_SHUFFLE_BUFFER", "DEFAULT_STREAM_EVAL_BLOCKS", "STREAM_STATE_FILE", "StreamingBlocks", "check_stream", "check_stream_resume", "load_stream", "read_stream_state", "write_stream_state"]
 
@@ -88,9 +89,7 @@ def check_stream(source: DataSource, task: str) -> None:
 def _packed(table: datasets.IterableDataset, source: DataSource, task: str, tokenizer: Any) -> datasets.IterableDataset:
     features = _features(table)
     text = text_columns(source, task, features)["text"]
-    table = table.filter(lambda t: bool(t), input_columns=text)
-    group_texts = packing_map(text, tokenizer, source.max_seq_length, task == "masked-lm")
-    return table.map(group_texts, batched=True, batch_size=GROUP_BATCH, remove_columns=list(features))
+    return pack_table(table, text, tokenizer, source.max_seq_length, task == "masked-lm", columns=list(features))
 
 
 class StreamingBlocks(torch.utils.data.IterableDataset):
@@ -152,7 +151,7 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def load_stream(
-    source: DataSource, task: str, tokenizer: Any, *, seed: int, mlm_probability: float = 0.15, rank: int | None = None, world_size: int | None = None
+    source: DataSource, task: str, tokenizer: Any, *, seed: int, mlm_probability: float = DEFAULT_MLM_PROBABILITY, rank: int | None = None, world_size: int | None = None
 ) -> DataSplits:
     """This rank's train stream and the first validation blocks of ``source`` (``load_user_data`` with ``streaming``).
 
@@ -174,8 +173,6 @@ def load_stream(
     """
     import datasets
     from datasets.distributed import split_dataset_by_node
-
-    from .data import DataSplits
 
     if task not in ("causal-lm", "masked-lm"):
         raise NotImplementedError(f"--streaming: for --task causal-lm and masked-lm, not {task!r} (drop --streaming)")

@@ -37,66 +37,47 @@ import dataclasses
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
-from accelerate.utils import gather_object, send_to_device, set_seed
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from qaccel._errors import USAGE_EXIT_CODE, ArgumentParser, UsageError, report_bad_input
 from qaccel._extras import MissingExtraError, require_extra
 from qaccel._settings import add_config_flags, field_names
-from qaccel.checkpoint import (
-    CheckpointError,
-    build_run_state,
-    check_save_total_limit,
-    checkpoint_path,
-    open_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-    save_checkpoint_metadata,
-)
-from qaccel.fsdp import QSDPConfig, bytes_by_level
+from qaccel.checkpoint import CheckpointError, check_save_total_limit, open_checkpoint, resolve_resume
+from qaccel.fsdp import QSDPConfig
 from qaccel.optim.config import OneBitAdamConfig, ZeroOneAdamConfig
 from qaccel.training import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     METHODS,
-    BatchSeededCollator,
     FaultReporter,
-    MethodPlan,
-    MetricsLog,
     TrainingGuards,
-    build_accelerator,
-    build_optimizer,
     check_resume,
-    evaluate_model,
     meter_stock_ddp,
     plan_method,
     process_group_timeout,
     replica_check_interval,
 )
 from qaccel.training.faults import InterruptHandler
+from qaccel.training.loaders import build_train_loader
 from qaccel.training.methods import LAUNCH_FROM_ENV
-from qaccel.zoo import Recipe, load_data, load_model, load_recipe, load_tokenizer
-from qaccel.zoo.lora import LoraSpec, add_lora_flags, apply_lora, check_lora_resume, check_recipe_lora, lora_from_flags
-from qaccel.zoo.metrics import load_classification_metrics
-from qaccel.zoo.recipes import SOURCE_LOCATION, TASKS
-from qaccel.zoo.user_data import DEFAULT_RECIPE_PATH, DataSource, check_data_source, default_recipe, load_user_data
-from qaccel.zoo.user_stream import DEFAULT_SHUFFLE_BUFFER, check_stream_resume, read_stream_state, write_stream_state
+from qaccel.training.run_checkpoints import RunCheckpointer, push_final_checkpoint, resume_run
+from qaccel.training.run_evaluation import PeriodicEvaluation
+from qaccel.training.run_log import StepLog, StepMeter, describe_run
+from qaccel.training.run_settings import TRAINING_FLAGS, RunInputs, TrainingSettings  # noqa: F401 (qaccel.train.TRAINING_FLAGS, as before)
+from qaccel.training.run_setup import build_optimizer_and_scheduler, build_run_accelerator, load_data_and_model
+from qaccel.zoo import Recipe, load_recipe
+from qaccel.zoo.lora import add_lora_flags, check_lora_resume, check_recipe_lora, lora_from_flags
+from qaccel.zoo.recipes import DEFAULT_MLM_PROBABILITY, SOURCE_LOCATION, TASKS
+from qaccel.zoo.user_data import DataSource, check_data_source, default_recipe
+from qaccel.zoo.user_stream import DEFAULT_SHUFFLE_BUFFER, check_stream_resume
 
 QSDP_FIELDS = field_names(QSDPConfig)
 ZOADAM_FIELDS = field_names(ZeroOneAdamConfig, OneBitAdamConfig)
 # What a run refuses before it starts: a flag, recipe key, setting, environment variable or checkpoint;
 # RuntimeError: an environment that cannot serve the input (a Hub id while offline, a missing model package).
 BAD_INPUT_ERRORS = (UsageError, ValueError, TypeError, NotImplementedError, RuntimeError, CheckpointError, MissingExtraError)
-TRAINING_FLAGS = (
-    "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
-    "warmup_steps", "lr_scheduler", "seed", "save_steps", "eval_steps", "mixed_precision",
-)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -194,7 +175,7 @@ def resolve_recipe(args: argparse.Namespace) -> tuple[Recipe, DataSource | None]
     task = args.task or recipe.task
     if task != recipe.task and source is None:
         raise UsageError(f"--task {task}: recipe {recipe.name!r} trains {recipe.task} on {recipe.dataset.name}; another task needs your dataset (--dataset_name or --train_file)")
-    mlm = (recipe.training.mlm_probability or 0.15) if task == "masked-lm" else None
+    mlm = (recipe.training.mlm_probability or DEFAULT_MLM_PROBABILITY) if task == "masked-lm" else None
     return dataclasses.replace(
         recipe,
         task=task,
@@ -206,45 +187,6 @@ def resolve_recipe(args: argparse.Namespace) -> tuple[Recipe, DataSource | None]
 def flag_section(args: argparse.Namespace, prefix: str, names: tuple[str, ...]) -> dict:
     """The ``--<prefix><field>`` flags given on the command line (flags not given are absent from ``args``)."""
     return {name: getattr(args, prefix + name) for name in names if hasattr(args, prefix + name)}
-
-
-@dataclass(frozen=True)
-class RunInputs:
-    """Everything the run is asked to do, checked before any process group, file or model exists."""
-
-    recipe: Recipe  # with --task, --max_seq_length applied; without --recipe: default_recipe(...)
-    data_source: DataSource | None  # the user's dataset, or None: the recipe's
-    cfg: dict[str, Any]  # the training settings (TRAINING_FLAGS): recipe values, flags on top
-    plan: MethodPlan
-    model_source: str | None  # pretrained weights and tokenizer (flag, else recipe), or None: from config
-    output_dir: Path
-    resume_from: Path | None
-    saved: dict | None  # the resumed checkpoint's run state
-    resume_warnings: list[str]
-    replica_interval: int  # QACCEL_CHECK_REPLICAS
-    world_size: int
-    lora: LoraSpec | None = None  # the recipe's lora: section with --lora_* on top; None: every weight trains
-
-    def run_state(self, step: int, wire_total: int, metrics: dict | None) -> dict:
-        """The metadata a checkpoint of this run records (and a resume compares)."""
-        return build_run_state(
-            method=self.plan.method,
-            method_config=self.plan.config_dict(),
-            recipe=None if self.recipe.path == DEFAULT_RECIPE_PATH else self.recipe.name,
-            task=self.recipe.task,
-            step=step,
-            world_size=self.world_size,
-            wire_bytes_total=wire_total,
-            metrics=metrics,
-            base_model=self.model_source,
-            dataset=self.recipe.dataset.name if self.data_source is None else self.data_source.hub_id,
-            extra={
-                "training": self.cfg,
-                "parallelism": self.plan.parallelism,
-                **({"lora": self.lora.to_dict()} if self.lora is not None else {}),
-                **({"data": self.data_source.to_dict()} if self.data_source is not None else {}),
-            },
-        )
 
 
 def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = LAUNCH_FROM_ENV, world_size: int | None = None) -> RunInputs:
@@ -261,9 +203,7 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
     recipe, source = resolve_recipe(args)
     if source is not None:  # files, splits and columns now (local data is read), a Hub id's reachability
         check_data_source(source, recipe.task)
-    # Recipe values are the defaults; flags given on the command line win.
-    cfg = {name: getattr(recipe.training, name) for name in TRAINING_FLAGS}
-    cfg.update({name: getattr(args, name) for name in TRAINING_FLAGS if getattr(args, name) is not None})
+    settings = TrainingSettings.from_recipe(recipe.training, vars(args))  # recipe values; flags given win
     method = args.method or recipe.method.name
     onebit_recipe = recipe.method.onebit_adam if method == "onebit_adam" else recipe.method.zero_one_adam
     plan = plan_method(
@@ -273,8 +213,8 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
         flag_qsdp=flag_section(args, "qsdp_", QSDP_FIELDS),
         recipe_onebit=onebit_recipe if method in ("zero_one_adam", "onebit_adam") else {},
         flag_onebit=flag_section(args, "zoadam_", ZOADAM_FIELDS) if method in ("zero_one_adam", "onebit_adam") else {},
-        learning_rate=cfg["learning_rate"],
-        weight_decay=cfg["weight_decay"],
+        learning_rate=settings.learning_rate,
+        weight_decay=settings.weight_decay,
         launch_parallelism=launch_parallelism,
     )
     process_group_timeout(args.collective_timeout_s)  # refuses a non-positive --collective_timeout_s
@@ -282,7 +222,7 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
     inputs = RunInputs(
         recipe=recipe,
         data_source=source,
-        cfg=cfg,
+        settings=settings,
         plan=plan,
         model_source=args.model_name_or_path or recipe.model.name_or_path,
         output_dir=output_dir,
@@ -301,19 +241,8 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
     saved = open_checkpoint(inputs.resume_from)  # names a missing, truncated or altered file before anything loads
     warnings = check_resume(saved, inputs.run_state(saved["step"], 0, None))
     check_lora_resume(saved, inputs.lora)
-    check_stream_resume(inputs.resume_from, streaming=source is not None and source.streaming, world_size=inputs.world_size)
+    check_stream_resume(inputs.resume_from, streaming=inputs.is_streaming, world_size=inputs.world_size)
     return dataclasses.replace(inputs, saved=saved, resume_warnings=warnings)
-
-
-def _hierarchy(accelerator: Any, optimizer: Any) -> str:
-    """`` (hierarchical: R replicas x S shards)`` on HSDP (hierarchical QSDP or a sharded 1-bit optimizer), else nothing."""
-    handle = getattr(accelerator, "qsdp", None)
-    if handle is not None and handle.replicas > 1:
-        return f" (hierarchical: {handle.replicas} replicas x {handle.world_size} shards)"
-    onebit = getattr(optimizer, "optimizer", optimizer)
-    if getattr(onebit, "is_sharded", False):
-        return f" (hierarchical: {onebit.world_size()} replicas x {onebit.shard_ranks()} shards, 1-bit across replicas)"
-    return ""
 
 
 BAD_INPUT_GRACE_S = 3.0  # how long a silent rank waits on bad input before it exits
@@ -325,200 +254,83 @@ def main(argv: list[str] | None = None) -> dict:
     return train(args, check_inputs(args))
 
 
-def load_data_and_model(accelerator: Any, inputs: RunInputs) -> tuple[Any, Any, torch.nn.Module]:
-    """The tokenizer, the data splits and the model (with its LoRA adapters when asked), as a user's script builds them."""
-    recipe, model_source = inputs.recipe, inputs.model_source
-    # Data and tokenizer are built (and cached on disk) by the main process first.
-    with accelerator.main_process_first():
-        tokenizer = load_tokenizer(recipe, model_source)
-        if inputs.data_source is None:
-            data = load_data(recipe, tokenizer)
-        else:
-            data = load_user_data(inputs.data_source, recipe.task, tokenizer, seed=inputs.cfg["seed"], mlm_probability=recipe.training.mlm_probability or 0.15)
-    model = load_model(recipe, tokenizer, model_source, label_names=data.label_names)  # id2label reaches the checkpoint's config
-    if inputs.lora is not None:  # frozen base, trainable adapters (and head), before prepare as in a user's script
-        model = apply_lora(model, inputs.lora, recipe.task, seed=recipe.training.seed)
-    return tokenizer, data, model
-
-
 def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHandler | None = None) -> dict:
     """The training run: set-up, the loop, evaluation, checkpoints, an optional push. Returns the summary.
 
     ``interrupt`` (installed by :func:`cli`) learns the rank's step and pid file for a Ctrl-C's line and clean-up.
     """
-    recipe, cfg, plan = inputs.recipe, inputs.cfg, inputs.plan
-    output_dir, resume_from, saved, run_state = inputs.output_dir, inputs.resume_from, inputs.saved, inputs.run_state
-    accelerator = build_accelerator(
-        plan,
-        layer_cls=recipe.model.transformer_layer_cls,
-        mixed_precision=cfg["mixed_precision"],
-        gradient_accumulation_steps=cfg["gradient_accumulation_steps"],
-        report_to=None if args.report_to == "none" else args.report_to,
-        project_dir=str(output_dir),
-        collective_timeout_s=args.collective_timeout_s,
-    )
-    faults = FaultReporter(output_dir, accelerator.process_index, accelerator.num_processes)  # a lost rank: one clear line
+    # Settings: the accelerator of the method's parallelism, the fault reporter, the seed.
+    settings, plan = inputs.settings, inputs.plan
+    accelerator = build_run_accelerator(args, inputs)
+    faults = FaultReporter(inputs.output_dir, accelerator.process_index, accelerator.num_processes)  # a lost rank: one clear line
     if interrupt is not None:
         interrupt.reporter, interrupt.is_main = faults, accelerator.is_main_process
-    set_seed(cfg["seed"])
+    set_seed(settings.seed)
 
+    # Data, model and method.
     tokenizer, data, model = load_data_and_model(accelerator, inputs)
-    # A stream (--streaming) is already this rank's share, shuffled, and has no length: it is not
-    # prepared (Accelerate would dispatch an iterable's batches from rank 0) and reads in this process.
-    streaming = inputs.data_source is not None and inputs.data_source.streaming
-    # The loader gets its own generator: creating an iterator then draws its base seed from it, not
-    # from the global RNG that dropout uses, so a resumed run's new iterator cannot shift dropout.
-    train_loader = DataLoader(
-        data.train, batch_size=cfg["per_device_batch_size"], shuffle=not streaming, drop_last=True,
-        # Masked-LM masks drawn per batch (not from the global RNG's position): exact resumes.
-        collate_fn=BatchSeededCollator(data.collator, cfg["seed"]),
-        generator=torch.Generator().manual_seed(cfg["seed"]),
+    train_data = build_train_loader(
+        data.train, accelerator, batch_size=settings.per_device_batch_size, collator=data.collator, seed=settings.seed, streaming=inputs.is_streaming
     )  # fmt: skip
-    eval_loader = DataLoader(data.eval, batch_size=cfg["per_device_batch_size"], collate_fn=data.collator)
-
-    optimizer = build_optimizer(plan, model, learning_rate=cfg["learning_rate"], weight_decay=cfg["weight_decay"])
-    # Accelerate steps a prepared scheduler once per process per optimizer step, hence the factor.
-    scheduler = get_scheduler(
-        cfg["lr_scheduler"],
-        optimizer=optimizer,
-        num_warmup_steps=cfg["warmup_steps"] * accelerator.num_processes,
-        num_training_steps=cfg["max_steps"] * accelerator.num_processes,
-    )
-    # FSDP2 needs the model and its optimizer in one prepare call.
-    if streaming:
-        model, optimizer, eval_loader, scheduler = accelerator.prepare(model, optimizer, eval_loader, scheduler)
-    else:
-        model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
+    eval_loader = DataLoader(data.eval, batch_size=settings.per_device_batch_size, collate_fn=data.collator)
+    optimizer, scheduler = build_optimizer_and_scheduler(accelerator, plan, model, settings)
+    model, optimizer, eval_loader, scheduler = train_data.prepare(model, optimizer, eval_loader, scheduler)
     meter_stock_ddp(accelerator, model, plan)  # a stock DDP baseline's bytes are counted too
-    metric = None
-    if recipe.task == "sequence-classification":  # F1 of class 1 for two-class pairs, as GLUE reports MRPC
-        pairs = inputs.data_source is not None and inputs.data_source.text_pair_column is not None
-        metric = load_classification_metrics(with_f1=pairs and len(data.label_names) == 2)
+    evaluation = PeriodicEvaluation.for_run(accelerator, inputs, model, eval_loader, data.label_names)
 
-    completed_steps, wire_total, last_eval = 0, 0, None
-    if saved is not None:
-        for warning in inputs.resume_warnings:
-            accelerator.print(f"resume: {warning}")
-        accelerator.load_state(str(resume_from))
-        if streaming:  # the stream continues at the block after the last one trained on
-            data.train.load_state_dict(read_stream_state(resume_from, accelerator.process_index))
-        completed_steps, wire_total = saved["step"], saved["wire_bytes_total"]
-        last_eval = saved.get("metrics")
-        accelerator.print(f"resumed from {resume_from} at step {completed_steps}")
-
-    accelerator.init_trackers("qaccel", config={"recipe": recipe.name, "method": plan.method, **cfg})
-    log = MetricsLog(output_dir / "metrics.jsonl", enabled=accelerator.is_main_process, resume_step=completed_steps if resume_from else None)
-    unwrapped = accelerator.unwrap_model(model)
+    # Checkpoints and logging: continue where a checkpoint stopped.
+    run = resume_run(accelerator, inputs, train_data)
+    accelerator.init_trackers("qaccel", config={"recipe": inputs.recipe.name, "method": plan.method, **settings.to_dict()})
     guards = TrainingGuards(  # non-finite values every step, replica hashes every QACCEL_CHECK_REPLICAS steps
-        accelerator, model, optimizer, allow_nonfinite=args.allow_nonfinite, replica_interval=inputs.replica_interval, first_step=completed_steps + 1
+        accelerator, model, optimizer, allow_nonfinite=args.allow_nonfinite, replica_interval=inputs.replica_interval, first_step=run.step + 1
     )
+    checkpoints = RunCheckpointer(accelerator, inputs, train_data, model, tokenizer, save_total_limit=args.save_total_limit)
+    accelerator.print(describe_run(accelerator, inputs, model))
+    log = StepLog(accelerator, inputs.output_dir, run, is_resumed=inputs.resume_from is not None, logging_steps=args.logging_steps, max_steps=settings.max_steps)
+    if args.eval_on_start and run.step == 0:  # the curve's starting point, as Trainer's eval_on_start
+        run.last_eval = evaluation(0)
+        log.evaluation(0, run.last_eval)
 
-    def save(step: int) -> None:
-        stream_states = gather_object([data.train.state_dict()]) if streaming else None  # every rank's position, to the main one
-
-        def write_extra(folder: Path) -> None:
-            if stream_states is not None:
-                write_stream_state(folder, stream_states)
-            save_checkpoint_metadata(
-                folder,
-                run_state=run_state(step, wire_total, last_eval),
-                model_config=unwrapped.config,
-                tokenizer=tokenizer,
-                generation_config=getattr(unwrapped, "generation_config", None),
-            )
-
-        path = save_checkpoint(accelerator, output_dir, step, write_extra, save_total_limit=args.save_total_limit)
-        accelerator.print(f"saved {path}")
-
-    accelerator.print(
-        f"recipe {recipe.name}: {recipe.task}, method {plan.method} on {plan.parallelism}{_hierarchy(accelerator, optimizer)}, {accelerator.num_processes} processes, "
-        f"{sum(p.numel() for p in unwrapped.parameters()):,} parameters (local), {cfg['max_steps']} steps of "
-        f"{cfg['per_device_batch_size']} x {cfg['gradient_accumulation_steps']} x {accelerator.num_processes} sequences"
-    )
-    # The data order is a function of (seed, epoch): a resumed run skips the batches already seen.
-    # A stream has no length: it never ends (it starts its next epoch itself) and resumes from its state.
-    micro_done = completed_steps * cfg["gradient_accumulation_steps"]
-    epoch, skip = (0, 0) if streaming else divmod(micro_done, len(train_loader))
-    progress = tqdm(total=cfg["max_steps"], initial=completed_steps, disable=not accelerator.is_main_process, desc="train")
-    if args.eval_on_start and completed_steps == 0:  # the curve's starting point, as Trainer's eval_on_start
-        last_eval = evaluate_model(accelerator, model, eval_loader, recipe.task, seed=cfg["seed"], metric=metric)
-        log.write({"step": 0, **last_eval})
-        accelerator.log(last_eval, step=0)
-        accelerator.print("step 0: " + ", ".join(f"{k} {v:.4g}" for k, v in last_eval.items()))
-    accelerator.wire_meter.end_step()  # bytes of set-up collectives do not belong to step 1
+    # The loop: one optimizer step per gradient_accumulation_steps batches, until max_steps.
     model.train()
-    step_losses, step_start = [], time.perf_counter()
-    while completed_steps < cfg["max_steps"]:
-        if streaming:
-            loader = (send_to_device(batch, accelerator.device) for batch in train_loader)
-        else:
-            train_loader.set_epoch(epoch)
-            loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        skip = 0
-        for batch in loader:
-            faults.step = completed_steps + 1
+    meter = StepMeter(accelerator)  # the set-up's bytes do not belong to step 1
+    epoch, skip = train_data.position()
+    while run.step < settings.max_steps:
+        for batch in train_data.loader(epoch, skip):
+            faults.step = run.step + 1
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    guards.before_step(completed_steps + 1)  # non-finite values: stop, or skip with a scaler
+                    guards.before_step(run.step + 1)  # non-finite values: stop, or skip with a scaler
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            step_losses.append(loss.detach().float())
+            meter.add(loss)
             if not accelerator.sync_gradients:
                 continue
             # One optimizer step is complete.
-            completed_steps += 1
-            guards.after_step(completed_steps)  # QACCEL_CHECK_REPLICAS
-            step_loss = accelerator.reduce(torch.stack(step_losses).mean(), reduction="mean").item()  # host sync, once per step
-            step_seconds = time.perf_counter() - step_start
-            levels = bytes_by_level(accelerator.wire_meter.end_step())
-            sent = levels["intra_node"] + levels["inter_node"]
-            wire_total += sent
-            row = {
-                "step": completed_steps,
-                "loss": step_loss,
-                "learning_rate": scheduler.get_last_lr()[0],
-                "wire_bytes": sent,
-                "wire_bytes_inter_node": levels["inter_node"],  # hierarchical QSDP's replica all-reduce (0 otherwise)
-                "wire_bytes_total": wire_total,
-                "step_seconds": step_seconds,
-            }
-            last_step = completed_steps == cfg["max_steps"]
-            if last_step or (cfg["eval_steps"] and completed_steps % cfg["eval_steps"] == 0):
-                last_eval = evaluate_model(accelerator, model, eval_loader, recipe.task, seed=cfg["seed"], metric=metric)
-                # Evaluation gathers weights too (FSDP2); keep its bytes out of the next training step.
-                eval_sent = sum(t.sent_bytes for t in accelerator.wire_meter.end_step().values())
-                row.update(last_eval, eval_wire_bytes=eval_sent)
-                accelerator.print(f"step {completed_steps}: " + ", ".join(f"{k} {v:.4g}" for k, v in last_eval.items()))
-            if last_step or completed_steps % args.logging_steps == 0:
-                log.write(row)
-                accelerator.log({k: v for k, v in row.items() if k != "step"}, step=completed_steps)
-            progress.update(1)
-            progress.set_postfix(loss=f"{step_loss:.3f}", sent=f"{sent / 1e6:.1f}MB")
-            if last_step or (cfg["save_steps"] and completed_steps % cfg["save_steps"] == 0):
-                save(completed_steps)
-            if last_step:
+            run.step += 1
+            guards.after_step(run.step)  # QACCEL_CHECK_REPLICAS
+            row = meter.end_step(run, learning_rate=scheduler.get_last_lr()[0])
+            if evaluation.is_due(run.step):
+                run.last_eval = evaluation(run.step)
+                row.update(run.last_eval, eval_wire_bytes=meter.end_evaluation())
+            log.step(row)
+            if checkpoints.is_due(run.step):
+                checkpoints.save(run)
+            if run.step == settings.max_steps:
                 break
-            step_losses, step_start = [], time.perf_counter()
-        epoch += 1
-    progress.close()
+            meter.restart()
+        epoch, skip = epoch + 1, 0
+    log.close()
 
     if args.push_to_hub:
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            from qaccel.hub.export import export_checkpoint
-            from qaccel.hub.push import push_folder
-
-            final = checkpoint_path(output_dir, completed_steps)
-            exported = export_checkpoint(final, output_dir / "export", overwrite=True, model_name=args.hub_model_id)
-            push_folder(exported, args.hub_model_id)
+        push_final_checkpoint(accelerator, inputs.output_dir, run.step, args.hub_model_id)
     accelerator.end_training()
     faults.close()
-    summary = {"step": completed_steps, "wire_bytes_total": wire_total, **(last_eval or {})}
-    accelerator.print(f"done: {summary}")
-    return summary
+    accelerator.print(f"done: {run.summary()}")
+    return run.summary()
 
 
 def cli(argv: list[str] | None = None) -> int:

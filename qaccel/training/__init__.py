@@ -16,9 +16,11 @@ from .guards import (
     TrainingGuards,
     replica_check_interval,
 )
+from .loaders import MapStyleTrainLoader, StreamingTrainLoader, TrainLoader, build_train_loader
 from .methods import METHODS, MethodPlan, build_accelerator, build_optimizer, meter_stock_ddp, plan_method
 from .metrics_log import MetricsLog, read_metrics
 from .resume import check_resume
+from .run_settings import TrainingSettings
 
 __all__ = [
     "BatchSeededCollator",
@@ -43,4 +45,9 @@ __all__ = [
     "ReplicaMismatchError",
     "TrainingGuards",
     "replica_check_interval",
+    "TrainingSettings",
+    "TrainLoader",
+    "MapStyleTrainLoader",
+    "StreamingTrainLoader",
+    "build_train_loader",
 ]

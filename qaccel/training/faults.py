@@ -10,7 +10,10 @@ ranks, then leaves with ``os._exit`` so no interpreter shutdown work can block o
 
 The lost ranks come from pid files: every rank writes ``OUTPUT_DIR/pids/rank{R}.pid`` (pid, host and
 process start time) once the process group is up, and a survivor looks up the peers on its own host.
-Peers on other hosts are reported as unknown rather than guessed.
+Peers on other hosts are reported as unknown rather than guessed. A survivor can learn of the failure
+before the killed peer is gone: the kernel closes a dying process's sockets before it becomes a zombie,
+so the closed connection may arrive while the peer still looks alive. A survivor therefore waits, up
+to ``peer_exit_wait_s``, for a local peer to be confirmed gone before it says none is.
 
 Ctrl-C is not a fault: :class:`InterruptHandler` makes every rank leave quietly with status 130, the
 main process printing one line (the step, the last complete checkpoint, the command that resumes),
@@ -26,6 +29,7 @@ import shlex
 import signal
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -37,6 +41,7 @@ __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "EXIT_INTERRUPTED",
     "EXIT_PEER_FAILURE",
+    "PEER_EXIT_WAIT_S",
     "RESUME_COMMAND_ENV",
     "FaultReporter",
     "InterruptHandler",
@@ -56,6 +61,12 @@ EXIT_PEER_FAILURE = 3
 
 EXIT_INTERRUPTED = 130
 """Exit status of a run stopped by Ctrl-C (SIGINT): 128 + 2, what a shell reports for it."""
+
+PEER_EXIT_WAIT_S = 5.0
+"""How long a reporting rank waits for a local peer to be confirmed gone before it reports that none is.
+A SIGKILLed training process takes well under a second to become a zombie even on a loaded machine
+(a fresh-clone CI run saw a survivor check 0.6 s after the kill, too early); only a hung peer, which
+never goes, costs the whole wait, on top of the collective timeout it already cost."""
 
 RESUME_COMMAND_ENV = "QACCEL_RESUME_COMMAND"
 """Set by ``qaccel train`` for the ranks it launches: the command line that resumes the run."""
@@ -120,12 +131,19 @@ class FaultReporter:
     progress as training goes, and call :meth:`close` at a clean end. While installed it owns
     ``sys.excepthook`` (a collective failure escaping ``main`` is reported, anything else keeps the
     normal traceback) and the SIGTERM handler (the launcher stopping this rank because another died).
+    ``peer_exit_wait_s`` bounds how long a report waits for a dying local peer to be gone (see
+    :meth:`describe`).
     """
 
-    def __init__(self, output_dir: str | os.PathLike, rank: int, world_size: int, *, install: bool = True) -> None:
+    def __init__(
+        self, output_dir: str | os.PathLike, rank: int, world_size: int, *, install: bool = True, peer_exit_wait_s: float = PEER_EXIT_WAIT_S
+    ) -> None:
+        if isinstance(peer_exit_wait_s, bool) or not isinstance(peer_exit_wait_s, (int, float)) or not peer_exit_wait_s >= 0:
+            raise ValueError(f"FaultReporter.peer_exit_wait_s={peer_exit_wait_s!r}: must be a number of seconds >= 0")
         self.rank = rank
         self.world_size = world_size
         self.step = 0
+        self.peer_exit_wait_s = float(peer_exit_wait_s)
         self.pid_dir = Path(output_dir) / "pids"
         self.pid_dir.mkdir(parents=True, exist_ok=True)
         self.pid_file = self.pid_dir / f"rank{rank}.pid"
@@ -142,14 +160,14 @@ class FaultReporter:
             self._installed = True
 
     # ------------------------------------------------------------------------------- peers
-    def lost_ranks(self) -> dict[int, int]:
-        """Peers on this host whose recorded process is gone (or a zombie): ``{rank: pid}``.
+    def _local_peers(self) -> dict[int, tuple[int, float]]:
+        """Peers on this host that have not reported: ``{rank: (pid, process start time)}`` from their pid files.
 
         A peer that stopped through its own report (it left ``rank{R}.stopped``) is a survivor that
-        went first, not a lost rank.
+        went first, not a candidate for a lost rank.
         """
         host = socket.gethostname()
-        lost = {}
+        peers = {}
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
@@ -157,15 +175,40 @@ class FaultReporter:
                 pid_text, pid_host, created = (self.pid_dir / f"rank{rank}.pid").read_text().split()
             except (OSError, ValueError):
                 continue  # not written yet, or a rank on another host with no shared output dir
-            if pid_host != host or (self.pid_dir / f"rank{rank}.stopped").exists():
-                continue
-            if not _alive(int(pid_text), float(created)):
-                lost[rank] = int(pid_text)
-        return lost
+            if pid_host == host and not (self.pid_dir / f"rank{rank}.stopped").exists():
+                peers[rank] = (int(pid_text), float(created))
+        return peers
+
+    def lost_ranks(self) -> dict[int, int]:
+        """Peers on this host whose recorded process is gone (or a zombie): ``{rank: pid}``.
+
+        A peer that stopped through its own report (it left ``rank{R}.stopped``) is a survivor that
+        went first, not a lost rank.
+        """
+        return self.await_lost_ranks(0.0)
+
+    def await_lost_ranks(self, wait_s: float) -> dict[int, int]:
+        """:meth:`lost_ranks`, waiting up to ``wait_s`` seconds while none is lost yet and a local peer still runs.
+
+        Returns as soon as a peer is confirmed gone, or once every local peer has reported (left its
+        ``rank{R}.stopped``: ranks stopped together, by one SIGTERM, do not wait for each other).
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            peers = self._local_peers()
+            lost = {rank: pid for rank, (pid, created) in peers.items() if not _alive(pid, created)}
+            if lost or not peers or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.05)
 
     def describe(self, cause: str) -> str:
-        """The one line this rank prints: rank, step, cause and the lost ranks."""
-        lost = self.lost_ranks()
+        """The one line this rank prints: rank, step, cause and the lost ranks.
+
+        Waits (up to :attr:`peer_exit_wait_s`) for a local peer to be confirmed gone before it reports
+        that none is: the closed connection that failed this rank's collective can arrive while the
+        killed peer is still exiting.
+        """
+        lost = self.await_lost_ranks(self.peer_exit_wait_s)
         if lost:
             peers = "lost rank(s) " + ", ".join(f"{r} (pid {pid} is gone)" for r, pid in sorted(lost.items()))
         else:
@@ -173,13 +216,19 @@ class FaultReporter:
         return f"qaccel: rank {self.rank} of {self.world_size} stopped at step {self.step}: {cause}; {peers}"
 
     # ------------------------------------------------------------------------------- exits
-    def _report_and_exit(self, line: str, status: int) -> None:
+    def _report_and_exit(self, cause: str, status: int) -> None:
         try:
+            # Before describing: a peer reporting at the same time then knows this rank is a survivor
+            # and does not wait for it to go.
             self.stopped_file.touch()
         except OSError:
             pass  # the report matters more than the marker
+        line = self.describe(cause)
         sys.stdout.flush()
-        print(line, file=sys.stderr, flush=True)
+        # One write, line and newline together: ranks run unbuffered (torchrun's `python -u`), where print()
+        # writes the two apart, and two survivors reporting at once glued their lines (seen in a shake run).
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
         os._exit(status)  # skip interpreter shutdown: destructors may wait on the dead peer
 
     def _excepthook(self, kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
@@ -190,12 +239,12 @@ class FaultReporter:
                 traceback.print_exception(kind, err, tb, limit=-3, file=sys.stderr)
             where = _collective_name(tb)
             what = f"collective torch.distributed.{where} failed" if where else "collective failed"
-            self._report_and_exit(self.describe(f"{what} ({type(err).__name__}: {_first_line(err)})"), EXIT_PEER_FAILURE)
+            self._report_and_exit(f"{what} ({type(err).__name__}: {_first_line(err)})", EXIT_PEER_FAILURE)
         self._previous_hook(kind, err, tb)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         cause = "stopped by the launcher (SIGTERM: another rank failed, or the job was interrupted)"
-        self._report_and_exit(self.describe(cause), 128 + signum)
+        self._report_and_exit(cause, 128 + signum)
 
     def close(self) -> None:
         """A clean end: restore the hooks and remove this rank's pid file (and the folder once empty)."""

@@ -1,24 +1,20 @@
-"""Model, data, hand-written byte oracles and a per-group collective counter for tests/dist/test_zoadam_hsdp.py.
+"""Model, data and hand-written byte oracles for tests/dist/test_zoadam_hsdp.py.
 
 Nothing here calls qaccel: the oracles restate docs/zero_one_adam.md ("Bytes") and FSDP2's dim-0 sharding
-(``torch.chunk``: every shard holds ceil(d0 / S) rows except the last ones) by hand, and the counter wraps
-torch.distributed, so a test comparing qaccel's meter with them compares two independent sources.
+(``torch.chunk``: every shard holds ceil(d0 / S) rows except the last ones) by hand; the collectives are counted by
+the harness's ``CollectiveRecorder`` (``tests._collectives``), so a test comparing qaccel's meter with them compares
+two independent sources.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import math
-import threading
-from collections import Counter
-from collections.abc import Iterator
-from unittest import mock
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from tests._collectives import ring_all_reduce
 
 TABLE_ROWS = 10
 WIDTH = 8
@@ -107,11 +103,6 @@ def padded_shard_numel(shape: tuple[int, ...], shards: int) -> int:
     return math.ceil(shape[0] / shards) * math.prod(shape[1:])
 
 
-def ring_all_reduce(nbytes: int, ranks: int) -> int:
-    """docs/zero_one_adam.md, "Bytes": a ring all-reduce of nbytes sends 2 (N-1) / N x nbytes per rank."""
-    return 2 * (ranks - 1) * nbytes // ranks
-
-
 def full_step_inter_node_bytes(replicas: int, shards: int) -> int:
     """A FULL step: one fp32 ring all-reduce over the replicas per FSDP2 unit, of the unit's padded gradient shard."""
     return sum(ring_all_reduce(4 * sum(padded_shard_numel(s, shards) for s in unit), replicas) for unit in UNIT_SHAPES)
@@ -130,72 +121,3 @@ def onebit_step_inter_node_bytes(replicas: int, numels: list[int]) -> int:
         padded = math.ceil(numel / multiple) * multiple
         total += 2 * (replicas - 1) * (padded // (8 * replicas) + 4)
     return total
-
-
-# ------------------------------------------------------------------------------------------ counter
-class GroupCollectiveCounter:
-    """Wraps torch.distributed's collectives; each call is attributed to the replica group, the shard group or other.
-
-    A call is attributed by the ranks of its ``group`` argument (None: the world), so it does not matter which
-    ProcessGroup object the caller holds. Bytes follow the meter's convention: all-reduce 2 (P-1)/P x input,
-    all-to-all (P-1)/P x input, all-gather (P-1) x input, reduce-scatter (P-1) x output.
-    """
-
-    NAMES = ("all_reduce", "all_to_all_single", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single")
-
-    def __init__(self, replica_ranks: list[int], shard_ranks: list[int]) -> None:
-        self.replica_ranks = sorted(replica_ranks)
-        self.shard_ranks = sorted(shard_ranks)
-        self.calls: dict[str, Counter[str]] = {"replica": Counter(), "shard": Counter(), "other": Counter()}
-        self.sent_bytes: Counter[str] = Counter()
-        self._inside = threading.local()  # count the outermost call only (one wrapped API may call another)
-
-    def _level(self, group: dist.ProcessGroup | None) -> str:
-        ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
-        if ranks == self.replica_ranks:
-            return "replica"
-        return "shard" if ranks == self.shard_ranks else "other"
-
-    @staticmethod
-    def _bytes(name: str, arguments: dict, ranks: int) -> int:
-        if name == "all_reduce":
-            tensor = arguments["tensor"]
-            return ring_all_reduce(tensor.numel() * tensor.element_size(), ranks)
-        if name == "all_to_all_single":
-            tensor = arguments["input"]
-            return (ranks - 1) * tensor.numel() * tensor.element_size() // ranks
-        if name == "reduce_scatter_single":
-            tensor = arguments["output"]
-            return (ranks - 1) * tensor.numel() * tensor.element_size()
-        tensor = arguments["input_tensor"]
-        return (ranks - 1) * tensor.numel() * tensor.element_size()
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[GroupCollectiveCounter]:
-        originals = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
-
-        def wrap(name, fn):
-            signature = inspect.signature(fn)
-
-            def counted(*args, **kwargs):
-                if getattr(self._inside, "active", False):
-                    return fn(*args, **kwargs)
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                group = bound.arguments.get("group")
-                level = self._level(group)
-                self.calls[level]["all_gather" if name.startswith("all_gather") else name] += 1
-                self.sent_bytes[level] += self._bytes(name, bound.arguments, dist.get_world_size(group))
-                self._inside.active = True
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self._inside.active = False
-
-            return counted
-
-        with mock.patch.multiple(dist, **{name: wrap(name, fn) for name, fn in originals.items()}):
-            yield self
-
-    def total_calls(self) -> int:
-        return sum(sum(c.values()) for c in self.calls.values())

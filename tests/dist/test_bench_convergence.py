@@ -54,6 +54,7 @@ def loop_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # quick_report: four 2-rank launches of the training loop, minutes on 2 cores
 def test_report_has_every_method_and_seed(quick_report):
     report, out = quick_report
     assert report["schema_version"] == 1 and report["benchmark"] == "convergence"
@@ -88,6 +89,7 @@ def test_report_has_every_method_and_seed(quick_report):
     assert w4["diff_vs_baseline_pct"] == pytest.approx(100.0 * (w4["final_eval_loss_mean"] - base) / base, abs=1e-9)
 
 
+@pytest.mark.slow
 def test_every_number_is_the_training_loops_own(quick_report):
     """Each run folder is a qaccel.train output: its metrics.jsonl and final checkpoint hold the report's numbers."""
     report, out = quick_report
@@ -111,6 +113,7 @@ def test_every_number_is_the_training_loops_own(quick_report):
                 assert (config["weight_bits"], config["grad_bits"], config["seed"]) == (4, 4, run["seed"])
 
 
+@pytest.mark.slow
 def test_recorded_command_is_the_users_command(quick_report):
     """The report's command line, placeholders filled in, resolves to the settings the loop recorded for the run."""
     from qaccel.train import check_inputs, parse_args
@@ -121,10 +124,11 @@ def test_recorded_command_is_the_users_command(quick_report):
     run_dir = out / "runs" / "gpt2-tiny" / "w4g4" / "seed-1"
     inputs = check_inputs(parse_args([str(run_dir) if w == "RUN_DIR" else "1" if w == "SEED" else w for w in words[6:]]), world_size=2)
     state = json.loads((run_dir / f"checkpoint-{STEPS}" / "qaccel_state.json").read_text())
-    assert inputs.cfg == state["extra"]["training"]
+    assert inputs.settings.to_dict() == state["extra"]["training"]
     assert inputs.plan.config_dict() == state["method_config"]
 
 
+@pytest.mark.slow
 def test_compression_sends_fewer_bytes_than_its_baseline(quick_report):
     methods = quick_report[0]["tasks"]["gpt2-tiny"]["methods"]
     fsdp = methods["fsdp2"]["summary"]["wire_bytes_per_step_per_rank"]
@@ -132,6 +136,7 @@ def test_compression_sends_fewer_bytes_than_its_baseline(quick_report):
     assert fsdp / 8 < methods["w4g4"]["summary"]["wire_bytes_per_step_per_rank"] < fsdp / 4
 
 
+@pytest.mark.slow
 def test_the_seed_moves_data_and_noise_but_not_the_initialisation(quick_report):
     methods = quick_report[0]["tasks"]["gpt2-tiny"]["methods"]
     for key in ("fsdp2", "w4g4"):
@@ -145,6 +150,7 @@ def test_the_seed_moves_data_and_noise_but_not_the_initialisation(quick_report):
     assert w4[0]["eval"][0]["eval_loss"] != w4[1]["eval"][0]["eval_loss"]
 
 
+@pytest.mark.slow
 def test_merge_renders_without_training_and_refuses_a_task_twice(quick_report, tmp_path, capsys):
     report, out = quick_report
     assert main(["bench", "convergence", "--merge", str(out / "c.json"), "--markdown", str(tmp_path / "m.md"), "--plot", str(tmp_path / "m.png")]) == 0
@@ -209,10 +215,10 @@ def test_every_method_resolves_in_the_training_loop_as_meant(task, recipe, warmu
         args = parse_args([*flags, *seed_flags(method, 3), "--output_dir", str(tmp_path)])
         assert args.eval_on_start and args.allow_nonfinite
         inputs = check_inputs(args, world_size=2)
-        cfg, plan = inputs.cfg, inputs.plan
-        assert (inputs.recipe.name, plan.method, cfg["seed"]) == (recipe, method.train_method, 3)
-        assert (cfg["max_steps"], cfg["per_device_batch_size"], cfg["eval_steps"], cfg["save_steps"]) == (spec.steps, 4, spec.eval_every, 0)
-        assert cfg["warmup_steps"] == warmup  # the recipe's warm-up, capped at a third of the run
+        cfg, plan = inputs.settings, inputs.plan
+        assert (inputs.recipe.name, plan.method, cfg.seed) == (recipe, method.train_method, 3)
+        assert (cfg.max_steps, cfg.per_device_batch_size, cfg.eval_steps, cfg.save_steps) == (spec.steps, 4, spec.eval_every, 0)
+        assert cfg.warmup_steps == warmup  # the recipe's warm-up, capped at a third of the run
         assert plan.parallelism == parallelism, method.key
         if method.train_method == "qsdp":
             assert plan.qsdp.seed == 3, method.key  # QSDP's noise follows the run's seed
@@ -333,10 +339,10 @@ def test_zero_one_adam_on_hsdp_shards_reaches_local_steps_within_the_run(task, t
     args = parse_args([*loop_flags(spec, method, steps=spec.steps, eval_every=spec.eval_every), *seed_flags(method, 3), "--output_dir", str(tmp_path)])
     inputs = check_inputs(args, world_size=4)
     plan, config = inputs.plan, inputs.plan.onebit
-    assert (plan.parallelism, plan.qsdp.replica_grad_bits, inputs.cfg["seed"]) == ("fsdp2", None, 3)
+    assert (plan.parallelism, plan.qsdp.replica_grad_bits, inputs.settings.seed) == ("fsdp2", None, 3)
     settings, kinds = _ZOADAM_HSDP[task]
     assert {name: getattr(config, name) for name in settings} == settings
-    assert config.lr == inputs.cfg["learning_rate"] == 1e-3  # the recipe's training settings, as for the baseline
+    assert config.lr == inputs.settings.learning_rate == 1e-3  # the recipe's training settings, as for the baseline
     schedule = lambda: ZeroOneAdamSchedule(config.var_freeze_step, config.var_update_scaler, config.local_step_scaler, config.local_step_clipper)  # noqa: E731
     counts = {kind.value: n for kind, n in count_step_kinds(schedule, spec.steps).items() if n}
     assert counts == kinds

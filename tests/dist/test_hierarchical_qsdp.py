@@ -8,20 +8,17 @@ of qaccel's code:
   codecs' error of stock HSDP's exact ones;
 - the replicas themselves: every rank's shard all-gathered over the replica group must be
   bit-identical after every step (the replicas are the same model);
-- torch's collectives wrapped: the bytes handed to ``all_to_all_single`` / ``all_gather_single`` /
-  ``all_reduce`` per process group, split into the replica group (inter-node) and the rest, must
-  equal what the meter reports per level.
+- torch's collectives wrapped (``CollectiveRecorder``): the bytes handed to them per process group,
+  split into the replica group (inter-node) and the rest, must equal what the meter reports per level.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import run_ranks
+from tests._dist import CollectiveRecorder, run_ranks
 
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 STEPS = 3
@@ -60,48 +57,6 @@ def _replicas_identical(model, group):
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     return all(torch.equal(gathered[0], other) for other in gathered[1:])
-
-
-@contextmanager
-def _bytes_per_group(calls, replica_ranks):
-    """Wrap torch's collectives; append ``(level, sent_bytes)`` per call by the meter's convention.
-
-    All-gather: (P-1) x input bytes; all-to-all: every non-empty split but the own one; all-reduce:
-    the ring formula 2 (P-1) / P x bytes; reduce-scatter: (P-1) x output bytes.
-    """
-    names = ("all_gather_single", "all_to_all_single", "all_reduce", "reduce_scatter_single")
-    originals = {name: getattr(dist, name) for name in names}
-
-    def level(group):
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        return "inter_node" if sorted(ranks) == replica_ranks else "intra_node"
-
-    def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
-        calls.append((level(group), (dist.get_world_size(group) - 1) * input_tensor.numel() * input_tensor.element_size()))
-        return originals["all_gather_single"](output_tensor, input_tensor, group=group, async_op=async_op)
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-        me = dist.get_rank(group)
-        per_row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
-        calls.append((level(group), sum(rows * per_row for j, rows in enumerate(input_split_sizes) if j != me)))
-        return originals["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        world = dist.get_world_size(group)
-        calls.append((level(group), 2 * (world - 1) * tensor.numel() * tensor.element_size() // world))
-        return originals["all_reduce"](tensor, op=op, group=group, async_op=async_op)
-
-    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        calls.append((level(group), (dist.get_world_size(group) - 1) * output.numel() * output.element_size()))
-        return originals["reduce_scatter_single"](output, input, op=op, group=group, async_op=async_op)
-
-    for name in names:
-        setattr(dist, name, locals()[name])
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def _train(model, optimizer, rank, step, micro_batches=1):
@@ -150,8 +105,8 @@ def _quantized_gradients_and_replicas(rank, replica_bits, grad_bits):
     tokens = _batch(rank, 0)
     for model in (stock, node):
         model(input_ids=tokens, labels=tokens).loss.backward()
-    calls = []
-    with _bytes_per_group(calls, replica_ranks):
+    recorder = CollectiveRecorder({"inter_node": replica_ranks}, other="intra_node")
+    with recorder.recording():
         ours(input_ids=tokens, labels=tokens).loss.backward()
     relative, excess = [], []
     levels_k = 2**replica_bits - 1
@@ -170,7 +125,7 @@ def _quantized_gradients_and_replicas(rank, replica_bits, grad_bits):
         excess.append(float((got - exact).abs().max()) / bound)
     grads_identical = _replicas_identical_grads(ours, replica_group)
     levels = bytes_by_level(meter.end_step())
-    oracle = {"intra_node": sum(b for lvl, b in calls if lvl == "intra_node"), "inter_node": sum(b for lvl, b in calls if lvl == "inter_node")}
+    oracle = {level: recorder.sent_bytes(group=level) for level in ("intra_node", "inter_node")}
     # Steps with replica identity of the weights (the optimizer sees identical gradients).
     opt_ours.step()
     opt_ours.zero_grad()

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._accelerate_runs import TINY, differing_params, full_params, run_step, set_rank_env, train_on
 from tests._dist import run_ranks
-from tests.dist.test_qsdp_accelerate import TINY, _differing, _full_params, _launch_env, _step, _train_on
 
 SAVE_AFTER, END = 2, 4
 
@@ -56,7 +56,7 @@ def _stock_hsdp(mesh):
 
 
 def _train_worker(rank, world_size, qsdp, ckpt_dir):
-    _launch_env(rank, world_size)
+    set_rank_env(rank, world_size)
     accelerator = _accelerator(_plugin(**qsdp), replicas=2)
     model, optimizer = accelerator.prepare(*_model_and_optimizer())
     stock = _stock_hsdp(accelerator.torch_device_mesh[("dp_replicate", "dp_shard_cp")]) if ckpt_dir is None else None
@@ -64,11 +64,11 @@ def _train_worker(rank, world_size, qsdp, ckpt_dir):
     for step in range(END):
         if step == SAVE_AFTER and ckpt_dir:
             accelerator.save_state(ckpt_dir)
-        _step(accelerator, model, optimizer, rank, step)
-        out["per_step"].append(_full_params(model))
+        run_step(accelerator, model, optimizer, rank, step)
+        out["per_step"].append(full_params(model))
         if stock is not None:
-            _step(accelerator, *stock, rank, step)
-            out["stock_per_step"].append(_full_params(stock[0]))
+            run_step(accelerator, *stock, rank, step)
+            out["stock_per_step"].append(full_params(stock[0]))
     out["stats"] = accelerator.comm_stats()["total"]
     out["describe"] = accelerator.qsdp.describe() if accelerator.qsdp else None
     accelerator.end_training()
@@ -76,12 +76,12 @@ def _train_worker(rank, world_size, qsdp, ckpt_dir):
 
 
 def _resume_worker(rank, world_size, replicas, ckpt_dir):
-    _launch_env(rank, world_size)
+    set_rank_env(rank, world_size)
     accelerator = _accelerator(_plugin(weight_bits=8, grad_bits=8, replica_grad_bits=4), replicas=replicas)
     model, optimizer = accelerator.prepare(*_model_and_optimizer())
     accelerator.load_state(ckpt_dir)
     out = {"step_after_load": accelerator.qsdp.seeds.step, "replicas": accelerator.qsdp.replicas}
-    return _train_on(accelerator, model, optimizer, rank, range(SAVE_AFTER, END), out)
+    return train_on(accelerator, model, optimizer, rank, range(SAVE_AFTER, END), out)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_accelerate_parallelism_config_with_qsdp_off_matches_stock_hsdp(runs):
     assert runs["off"][0]["mesh"] == ("dp_shard_cp",)  # hierarchical QSDP: the intra-node mesh
     for off in runs["off"]:
         for step in range(END):
-            assert _differing(off["stock_per_step"][step], off["per_step"][step]) == []
+            assert differing_params(off["stock_per_step"][step], off["per_step"][step]) == []
     assert "hsdp.replica_all_reduce" in runs["off"][0]["stats"]
 
 
@@ -113,17 +113,17 @@ def test_quantized_hierarchical_run_reports_bytes_per_level(runs):
     assert stats["qsdp.all_gather"]["sent_bytes"] > 0
     assert any(unit.get("replica_grads_quantized") for unit in runs["w8g8r4"][0]["describe"])
     # Its weights differ from stock HSDP's (it quantizes), so the comparison above could fail.
-    assert _differing(runs["off"][0]["stock_per_step"][-1], runs["w8g8r4"][0]["per_step"][-1])
+    assert differing_params(runs["off"][0]["stock_per_step"][-1], runs["w8g8r4"][0]["per_step"][-1])
 
 
 def test_resume_is_bit_identical_and_a_resume_onto_one_node_trains_on(runs):
     resumed = run_ranks(_resume_worker, 4, runs["tmp"] / "d", 2, runs["ckpt"])
     for full, again in zip(runs["w8g8r4"], resumed, strict=True):
         assert again["step_after_load"] == SAVE_AFTER and again["replicas"] == 2
-        assert _differing(full["per_step"][-1], again["params_at_end"]) == []
+        assert differing_params(full["per_step"][-1], again["params_at_end"]) == []
     one_node = run_ranks(_resume_worker, 4, runs["tmp"] / "e", 1, runs["ckpt"])
     for out in one_node:
         assert out["step_after_load"] == SAVE_AFTER and out["replicas"] == 1
         assert all(torch.isfinite(torch.tensor(out["losses"])))
     # All four ranks of the 1-D run hold the same full model.
-    assert all(_differing(one_node[0]["params_at_end"], out["params_at_end"]) == [] for out in one_node)
+    assert all(differing_params(one_node[0]["params_at_end"], out["params_at_end"]) == [] for out in one_node)

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from qaccel.comm import WireMeter, compressed_allreduce, onebit_layout, onebit_wire_bytes
 from tests._deepspeed_zoadam_port import simulated_compressed_allreduce
-from tests._dist import run_ranks
-from tests.dist.test_zoadam_parity import CollectiveCounter
+from tests._dist import CollectiveRecorder, run_ranks
 
 SHAPES = [(3, 5), (0,), (40,), (7,), (1,), (64,), (4, 33)]
 CALLS = 3
@@ -37,12 +36,12 @@ def _worker(rank, world):
         for mode in ("batched", "single"):
             layouts = [onebit_layout(torch.Size(s).numel(), world, padding) for s in SHAPES]
             buffers = [layout.new_error_buffers() for layout in layouts]
-            meter, counter = WireMeter(), CollectiveCounter()
+            meter, counter = WireMeter(), CollectiveRecorder()
             record = []
             for call in range(CALLS):
                 tensors = _inputs(rank, call)
                 before = [(w.clone(), s.clone()) for w, s in buffers]
-                with counter.counting():
+                with counter.recording():
                     if mode == "batched":
                         results = compressed_allreduce(
                             tensors, [w for w, _ in buffers], [s for _, s in buffers], layouts, meter=meter
@@ -65,8 +64,8 @@ def _worker(rank, world):
                         "same_on_all_ranks": gathered,
                     }
                 )
-            out[(padding, mode)] = {"calls": record, "meter": meter.snapshot(), "counted": counter.sent_bytes,
-                                    "collectives": dict(counter.calls)}  # fmt: skip
+            out[(padding, mode)] = {"calls": record, "meter": meter.snapshot(), "counted": counter.sent_bytes(),
+                                    "collectives": dict(counter.op_counts())}  # fmt: skip
     buffer = io.BytesIO()
     torch.save(out, buffer)
     return buffer.getvalue()

@@ -13,7 +13,7 @@ import math
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from qaccel.bench import _comm_onebit
-from tests.unit.test_zoadam_schedule import closed_form_kinds
+from tests._schedules import closed_form_kinds
 
 T, F, KAPPA, ALPHA, H, FREEZE = 400, 40, 2, 20, 4, 60
 

@@ -82,7 +82,7 @@ def _train_pair(rank, world_size, optimizer_name, granularity, dtype_name):
     kinds, mismatches = [], []
     for step in range(1, STEPS + 1):
         kinds.append(runs[True][3].schedule.next_kind().value)
-        for overlap, (net, extra, ddp, opt, _) in runs.items():
+        for _net, extra, ddp, opt, _ in runs.values():
             opt.zero_grad()
             idx, target = _batch(step, rank)
             loss = ((ddp(idx, use_branch=step % 2 == 0).float() - target) ** 2).mean()

@@ -19,22 +19,11 @@ import os
 import pytest
 import torch
 
+from tests._accelerate_runs import TINY, differing_params, full_params, run_step, set_rank_env
 from tests._dist import run_ranks
 
-TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 SAVE_AFTER = 2  # optimizer steps before save_state
 END = 5  # steps SAVE_AFTER..END-1 run after the save
-
-
-def _launch_env(rank, world_size):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",  # unused: the group already exists (FileStore rendezvous)
-    )
 
 
 def _accelerator_and_model():
@@ -56,32 +45,8 @@ def _accelerator_and_model():
     return accelerator, plugin, model, optimizer
 
 
-def _step(accelerator, model, optimizer, rank, step):
-    """One optimizer step on data fixed by (step, rank), independent of any data loader state."""
-    tokens = torch.randint(0, TINY["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(100 * step + rank))
-    with accelerator.autocast():
-        loss = model(input_ids=tokens, labels=tokens).loss
-    accelerator.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
-
-
-def _train_on(accelerator, model, optimizer, rank, steps, out):
-    """Run ``steps`` (a range of step numbers), then end training; ``out`` gains the losses and final parameters."""
-    out["losses"] = [_step(accelerator, model, optimizer, rank, step) for step in steps]
-    out["params_at_end"] = _full_params(model)
-    accelerator.end_training()
-    return out
-
-
-def _full_params(model):
-    """Full parameters as raw bytes: exact, and picklable back to the test process without shared memory."""
-    return {name: param.full_tensor().detach().contiguous().numpy().tobytes() for name, param in model.named_parameters()}
-
-
 def _uninterrupted_worker(rank, world_size, ckpt_dir):
-    _launch_env(rank, world_size)
+    set_rank_env(rank, world_size)
     from accelerate.state import PartialState
     from torch.distributed.fsdp import FSDPModule
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -139,12 +104,12 @@ def _uninterrupted_worker(rank, world_size, ckpt_dir):
     out["stats"] = accelerator.comm_stats()
     out["step_at_save"] = accelerator.qsdp.seeds.step
 
-    out["params_at_save"] = _full_params(model)
+    out["params_at_save"] = full_params(model)
     accelerator.save_state(ckpt_dir)
     for step in range(SAVE_AFTER, END):
-        _step(accelerator, model, optimizer, rank, step)
+        run_step(accelerator, model, optimizer, rank, step)
     out["step_at_end"] = accelerator.qsdp.seeds.step
-    out["params_at_end"] = _full_params(model)
+    out["params_at_end"] = full_params(model)
     accelerator.load_state(ckpt_dir)
     out["step_after_load"] = accelerator.qsdp.seeds.step
     full = accelerator.get_state_dict(model)
@@ -155,28 +120,22 @@ def _uninterrupted_worker(rank, world_size, ckpt_dir):
 
 
 def _resumed_worker(rank, world_size, ckpt_dir, control):
-    _launch_env(rank, world_size)
+    set_rank_env(rank, world_size)
     accelerator, _, model, optimizer = _accelerator_and_model()
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.load_state(ckpt_dir)
-    out = {"step_after_load": accelerator.qsdp.seeds.step, "params_after_load": _full_params(model)}
-    out["losses"] = [_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
+    out = {"step_after_load": accelerator.qsdp.seeds.step, "params_after_load": full_params(model)}
+    out["losses"] = [run_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
     out["step_at_end"] = accelerator.qsdp.seeds.step
-    out["params_at_end"] = _full_params(model)
+    out["params_at_end"] = full_params(model)
     if control:
         accelerator.load_state(ckpt_dir)
         accelerator.qsdp.seeds.step = 0  # as if the seed state had been lost: other rounding noise
         for step in range(SAVE_AFTER, END):
-            _step(accelerator, model, optimizer, rank, step)
-        out["params_control"] = _full_params(model)
+            run_step(accelerator, model, optimizer, rank, step)
+        out["params_control"] = full_params(model)
     accelerator.end_training()
     return out
-
-
-def _differing(a, b):
-    """Names of the parameters whose bits differ."""
-    assert a.keys() == b.keys()
-    return sorted(name for name in a if a[name] != b[name])
 
 
 @pytest.fixture(scope="module")
@@ -214,11 +173,11 @@ def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(uninterrupted, tm
     resumed = run_ranks(_resumed_worker, 2, tmp_path, ckpt, True)
     for out in resumed:
         assert out["step_after_load"] == SAVE_AFTER and out["step_at_end"] == END
-        assert _differing(out["params_after_load"], rank0["params_at_save"]) == []
+        assert differing_params(out["params_after_load"], rank0["params_at_save"]) == []
         # Resumed and uninterrupted runs end bit-identical: same weights, optimizer state and noise.
-        assert _differing(out["params_at_end"], rank0["params_at_end"]) == []
+        assert differing_params(out["params_at_end"], rank0["params_at_end"]) == []
         # Control: the same resume with other rounding noise ends elsewhere, so the check can fail.
-        assert _differing(out["params_control"], rank0["params_at_end"]) != []
+        assert differing_params(out["params_control"], rank0["params_at_end"]) != []
 
 
 def test_resume_on_another_world_size(uninterrupted, tmp_path):
@@ -230,5 +189,5 @@ def test_resume_on_another_world_size(uninterrupted, tmp_path):
     for out in resumed:
         assert out["step_after_load"] == SAVE_AFTER and out["step_at_end"] == END
         # Every rank of the 3-rank run (uneven shards) sees exactly the weights the 2-rank run saved.
-        assert _differing(out["params_after_load"], results[0]["params_at_save"]) == []
+        assert differing_params(out["params_after_load"], results[0]["params_at_save"]) == []
         assert all(torch.isfinite(torch.tensor(out["losses"])))

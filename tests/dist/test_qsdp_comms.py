@@ -9,15 +9,15 @@ not divide by 2, 3 or 4, so FSDP2 pads the shards and the last rank holds fewer 
   lie within the codec's bound of them, and equal them exactly where a parameter travels raw;
 - gradients of an unsharded replica, gathered with a plain ``dist.all_gather``: reduce-scatter
   results must lie within the codec's bound of their sum divided by FSDP2's factor;
-- the bytes handed to torch's collectives, counted by wrapping ``dist.all_gather_single`` /
-  ``dist.all_to_all_single`` / ``dist.reduce_scatter_single`` in the worker: the meter must record
+- the bytes handed to torch's collectives, counted by wrapping them in the worker (the harness's
+  ``CollectiveRecorder``): the meter must record
   exactly those, and each payload must weigh what the codec's ``quantize(...).nbytes`` says its
   segments weigh, plus at most 6 bytes of alignment.
 """
 
 import copy
+import functools
 import math
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -27,53 +27,17 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from qaccel.comm import WireMeter
 from qaccel.fsdp import QSDPConfig, install_qsdp
-from qaccel.quant import quantize
-from tests._dist import run_ranks
-
-# Odd sizes (see the module docstring); dropout off: compared runs must see identical computations.
-TINY = {
-    "n_layer": 2, "n_embd": 65, "n_head": 5, "vocab_size": 509, "n_positions": 35,
-    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 508, "eos_token_id": 508,
-}  # fmt: skip
-VOCAB = TINY["vocab_size"]
-PARAM_MIN_NUMEL = 1024  # QSDPConfig's default: 2-D parameters with at least this many elements are quantized
-MAX_ALIGNMENT_PADDING = 6
-
-
-def build_gpt2(seed=0, **overrides):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(**{**TINY, **overrides}))
-
-
-def shard_like_accelerate(model, world_size, mesh=None):
-    mesh = mesh if mesh is not None else init_device_mesh("cpu", (world_size,))
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def batch(rank, step, vocab=VOCAB, size=(4, 16)):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, vocab, size, generator=gen)
-
-
-def train_step(model, optimizer, tokens):
-    loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.detach()
-
-
-def is_quantized(shape):
-    return len(shape) >= 2 and math.prod(shape) >= PARAM_MIN_NUMEL
-
-
-def padded_rows(shape, world):
-    return math.ceil(shape[0] / world)
+from tests._dist import CollectiveRecorder, RankJobs
+from tests._qsdp_models import (
+    MAX_ALIGNMENT_PADDING,
+    batch,
+    build_gpt2,
+    codec_chunk_bytes,
+    is_quantized,
+    padded_rows,
+    shard_like_accelerate,
+    train_step,
+)
 
 
 class Recorder:
@@ -105,61 +69,6 @@ def wrap_comms(handle):
             module.set_custom_all_gather(recorder_ag(ag, ag_log, unit.index))
             module.set_custom_reduce_scatter(recorder_rs(rs, rs_log, unit.index))
     return ag_log, rs_log
-
-
-@contextmanager
-def counting_collectives(calls):
-    """Wrap torch's flat collectives; append ``(kind, sent_bytes, per_peer_payload_bytes)`` per call.
-
-    Sent bytes follow the meter's convention for a collective of P ranks: all-gather and
-    reduce-scatter send (P-1) chunks, an all-to-all sends every non-empty split but its own.
-    """
-    originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_to_all_single", "reduce_scatter_single")}
-
-    def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
-        group = group or dist.group.WORLD
-        payload = input_tensor.numel() * input_tensor.element_size()
-        calls.append(("all_gather", (group.size() - 1) * payload, payload))
-        return originals["all_gather_single"](output_tensor, input_tensor, group=group, async_op=async_op)
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-        group = group or dist.group.WORLD
-        per_row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
-        splits = input_split_sizes or [input.shape[0] // group.size()] * group.size()
-        sent = [rows * per_row for j, rows in enumerate(splits) if j != group.rank()]
-        calls.append(("all_to_all", sum(sent), max(sent, default=0)))
-        return originals["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
-    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        group = group or dist.group.WORLD
-        payload = output.numel() * output.element_size()
-        calls.append(("reduce_scatter", (group.size() - 1) * payload, payload))
-        return originals["reduce_scatter_single"](output, input, op=op, group=group, async_op=async_op)
-
-    dist.all_gather_single = all_gather_single
-    dist.all_to_all_single = all_to_all_single
-    dist.reduce_scatter_single = reduce_scatter_single
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
-def codec_chunk_bytes(shapes, world, codec, elem_size):
-    """Bytes of one rank-chunk by the codec: each parameter's padded shard quantized on its own.
-
-    The segment map of the design (docs/qsdp.md): buckets restart at every parameter; 1-D and small
-    parameters travel raw. The codec's ``quantize(...).nbytes`` gives each quantized shard's size.
-    """
-    total = 0
-    for shape in shapes:
-        numel = padded_rows(shape, world) * math.prod(shape[1:])
-        if is_quantized(shape):
-            total += quantize(torch.zeros(numel), codec.bits, codec.bucket_size, "nearest", 0, codec.meta_dtype).nbytes
-        else:
-            total += numel * elem_size
-    return total
 
 
 def gathered_weight_problems(out_flat, true_params, world, bits):
@@ -201,11 +110,12 @@ def _pass_through_is_stock(rank, world_size):
     opt_hooked = torch.optim.AdamW(hooked.parameters(), lr=1e-2)
     meter = WireMeter()
     handle = install_qsdp(hooked, QSDPConfig(weight_bits=None, grad_bits=None), optimizers=[opt_hooked], meter=meter)
-    calls = []
+    recorder = CollectiveRecorder()
     for step in range(3):
         train_step(stock, opt_stock, batch(rank, step))
-        with counting_collectives(calls):
+        with recorder.recording():
             train_step(hooked, opt_hooked, batch(rank, step))
+    calls = recorder.byte_rows()
     mismatched = [
         name
         for (name, a), (_, b) in zip(stock.named_parameters(), hooked.named_parameters(), strict=True)
@@ -236,9 +146,10 @@ def _w8g8_weights_and_bytes(rank, world_size):
     problems, outputs, worst = [], [], 0.0
     for step in range(2):
         true = {unit.index: [p.full_tensor().detach().clone() for p in unit.params] for unit in handle.units}
-        start_ag, start_rs, calls = len(ag_log), len(rs_log), []
-        with counting_collectives(calls):
+        start_ag, start_rs, recorder = len(ag_log), len(rs_log), CollectiveRecorder()
+        with recorder.recording():
             train_step(model, optimizer, batch(rank, step))
+        calls = recorder.byte_rows()
         closed = meter.end_step()
         ags, rss = ag_log[start_ag:], rs_log[start_rs:]
         outputs.append(ags)
@@ -480,20 +391,27 @@ def test_reshard_after_forward_int_is_refused_with_quantized_weights(checks):
 
 
 # --------------------------------------------------------------------------------------------
-def _all_checks(rank, world_size):
-    """One spawn per world size runs every check (spawning and importing dominate the cost)."""
-    results = {
-        "pass_through": _pass_through_is_stock(rank, world_size),
-        "w8g8": _w8g8_weights_and_bytes(rank, world_size),
-        **{f"g8_{mode}": _g8_gradients(rank, world_size, mode) for mode in ("default", "before", "after", "avg")},
-        "microbatch": _microbatch_rounding_errors(rank, world_size),
-        "refusals": _refusals(rank, world_size),
-        "premul": _premul_sum_is_refused(rank, world_size),  # last: the failed backward leaves FSDP mid-step
-    }
-    return results
+CHECKS = {
+    "pass_through": _pass_through_is_stock,
+    "w8g8": _w8g8_weights_and_bytes,
+    **{f"g8_{mode}": functools.partial(_g8_gradients, mode=mode) for mode in ("default", "before", "after", "avg")},
+    "microbatch": _microbatch_rounding_errors,
+    "refusals": _refusals,
+    "premul": _premul_sum_is_refused,
+}
+
+
+def _check(rank, world_size, name):
+    return CHECKS[name](rank, world_size)
+
+
+class _Checks(RankJobs):
+    """Each check's per-rank results (one job per check, run when a test first reads it), and ``["world"]``."""
+
+    def __getitem__(self, key: str):
+        return self.world_size if key == "world" else super().__getitem__(key)
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda ws: f"world{ws}")
 def checks(request, tmp_path_factory):
-    per_rank = run_ranks(_all_checks, request.param, tmp_path_factory.mktemp(f"qsdp_comms_{request.param}"))
-    return {"world": request.param, **{key: [r[key] for r in per_rank] for key in per_rank[0]}}
+    return _Checks(_check, request.param, tmp_path_factory)

@@ -23,7 +23,7 @@ from qaccel.comm import DecodeOnWait, WireMeter
 from qaccel.fsdp import QSDPConfig, QuantizedAllGather, QuantizedReduceScatter, apply_prefetch, install_qsdp
 from qaccel.quant import _backend
 from tests._dist import run_ranks
-from tests.dist.test_qsdp_comms import batch, build_gpt2, shard_like_accelerate
+from tests._qsdp_models import batch, build_gpt2, shard_like_accelerate
 
 STEPS = 4
 

@@ -24,15 +24,8 @@ from torch.distributed.fsdp import fully_shard
 
 from qaccel.comm import WireMeter
 from qaccel.fsdp import QSDPConfig, install_qsdp
-from tests._dist import run_ranks
-from tests.dist.test_qsdp_comms import (
-    MAX_ALIGNMENT_PADDING,
-    batch,
-    build_gpt2,
-    codec_chunk_bytes,
-    counting_collectives,
-    padded_rows,
-)
+from tests._dist import CollectiveRecorder, run_ranks
+from tests._qsdp_models import MAX_ALIGNMENT_PADDING, batch, build_gpt2, codec_chunk_bytes, padded_rows
 
 pytest.importorskip("peft")
 
@@ -101,12 +94,12 @@ def _plans_bytes_and_gradients(rank, world_size):
         for unit, plan, grad_plan in zip(handle.units, handle.plans, handle.grad_plans, strict=True)
     ]
     out["describe"] = handle.describe()
-    calls = []
-    with counting_collectives(calls):
+    recorder = CollectiveRecorder()
+    with recorder.recording():
         train_step(model, optimizer, batch(rank, 0))
     logging.getLogger("qaccel.fsdp").removeHandler(warnings)
     out["warnings"] = warnings.messages
-    out["calls"] = calls
+    out["calls"] = recorder.byte_rows()
     out["metered"] = {kind: total.sent_bytes for kind, total in meter.end_step().items()}
     weight_codec, grad_codec = config.weight_codec(), config.grad_codec()
     out["expected_ag"] = {key: codec_chunk_bytes([torch.Size(s) for _, s, _ in ps], world_size, weight_codec, 4) for key, ps in listed.items()}

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from qaccel.comm import PayloadLayout, WireCodec, WireMeter, mix_seed, quantized_all_gather, quantized_reduce_scatter
 from qaccel.quant import reference
+from tests._accelerate_runs import TINY, full_params, run_step, set_rank_env
 from tests._dist import run_ranks
 
 SEGMENTS = ((300, True), (17, False), (200, True), (5, True))  # ragged: a bucket and a rotation block cut short
@@ -157,7 +158,6 @@ def _accelerator_and_model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from qaccel import Accelerator, QSDPPlugin
-    from tests.dist.test_qsdp_accelerate import TINY
 
     plugin = QSDPPlugin(
         weight_bits=4, grad_bits=2, weight_rotation="hadamard", grad_rotation="hadamard", grad_error_feedback="float32",
@@ -173,32 +173,28 @@ def _accelerator_and_model():
 
 
 def _uninterrupted(rank, world_size, ckpt_dir):
-    from tests.dist.test_qsdp_accelerate import _full_params, _launch_env, _step
-
-    _launch_env(rank, world_size)
+    set_rank_env(rank, world_size)
     accelerator, model, optimizer = _accelerator_and_model()
     for step in range(SAVE_AFTER):
-        _step(accelerator, model, optimizer, rank, step)
+        run_step(accelerator, model, optimizer, rank, step)
     out = {"error_nbytes": accelerator.qsdp.error_feedback_nbytes(), "describe": accelerator.qsdp.describe()}
     accelerator.save_state(ckpt_dir)
-    out["losses"] = [_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
-    out["params_at_end"] = _full_params(model)
+    out["losses"] = [run_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
+    out["params_at_end"] = full_params(model)
     accelerator.end_training()
     return out
 
 
 def _resumed(rank, world_size, ckpt_dir, zero_errors):
-    from tests.dist.test_qsdp_accelerate import _full_params, _launch_env, _step
-
-    _launch_env(rank, world_size)
+    set_rank_env(rank, world_size)
     accelerator, model, optimizer = _accelerator_and_model()
     accelerator.load_state(ckpt_dir)
     restored = {name: tensor.abs().sum().item() for name, tensor in accelerator.qsdp.error_state().items()}
     if zero_errors:
         accelerator.qsdp.load_error_state({}, accelerator.qsdp.world_size)  # every buffer back to zero
     out = {"restored": restored, "step": accelerator.qsdp.seeds.step}
-    out["losses"] = [_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
-    out["params_at_end"] = _full_params(model)
+    out["losses"] = [run_step(accelerator, model, optimizer, rank, step) for step in range(SAVE_AFTER, END)]
+    out["params_at_end"] = full_params(model)
     accelerator.end_training()
     return out
 

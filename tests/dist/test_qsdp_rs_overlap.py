@@ -31,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from qaccel.comm import WireMeter
 from qaccel.fsdp import QSDPConfig, install_qsdp
 from tests._dist import run_ranks
-from tests.dist.test_qsdp_comms import batch, build_gpt2
+from tests._qsdp_models import batch, build_gpt2
 
 STEPS = 3
 

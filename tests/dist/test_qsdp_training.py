@@ -27,7 +27,7 @@ import torch.distributed as dist
 from qaccel.comm import WireMeter
 from qaccel.fsdp import QSDPConfig, install_qsdp
 from tests._dist import run_ranks
-from tests.dist.test_qsdp_comms import VOCAB, build_gpt2, is_quantized, shard_like_accelerate
+from tests._qsdp_models import VOCAB, build_gpt2, is_quantized, shard_like_accelerate
 
 STEPS = 40
 STEPS_WORLD3 = 12

@@ -22,36 +22,21 @@ Adam through the DDP hook (with and without the backward overlap), and 0/1 Adam 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import json
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests._dist import run_ranks
+from tests._dist import CollectiveRecorder, RankJobs, run_ranks
 from tests._record_models import Stack, stack_batch
 
 RECORD = Path(__file__).with_name("wire_bytes_record.json")
 TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 16, "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 QSDP_STEPS = 2
 ONEBIT_STEPS = 9
-FAMILIES = {
-    "all_reduce": "all_reduce",
-    "all_to_all_single": "all_to_all",
-    "all_gather_single": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_single": "reduce_scatter",
-    "broadcast": "broadcast",
-}
 QSDP_CASES = {
     "qsdp_stock_fsdp2": dict(weight_bits=None, grad_bits=None),
     "qsdp_w8g8": dict(weight_bits=8, grad_bits=8, prefetch=False, overlap_reduce_scatter=False),
@@ -85,67 +70,9 @@ ZERO_ONE = dict(lr=2e-3, var_freeze_step=4, var_update_scaler=1, local_step_scal
 ONEBIT = dict(lr=2e-3, freeze_step=3, eps=1e-4)
 
 
-class CallRecorder:
-    """Wraps torch.distributed's collectives and keeps, per call, what it put on the wire."""
-
-    def __init__(self, replica_ranks: list[int], shard_ranks: list[int]) -> None:
-        self.replica_ranks, self.shard_ranks = sorted(replica_ranks), sorted(shard_ranks)
-        self.calls: list[tuple] = []
-        self._inside = threading.local()
-
-    def _group(self, group: dist.ProcessGroup | None) -> str:
-        ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
-        if ranks == list(range(dist.get_world_size())):
-            return "world"
-        return "replica" if ranks == self.replica_ranks else "shard" if ranks == self.shard_ranks else f"other{ranks}"
-
-    @staticmethod
-    def _bytes(value) -> int:
-        if isinstance(value, list | tuple):
-            return sum(t.numel() * t.element_size() for t in value)
-        return value.numel() * value.element_size()
-
-    def _describe(self, name: str, arguments: dict) -> tuple:
-        group = self._group(arguments.get("group"))
-        if name == "all_to_all_single":
-            tensor, splits = arguments["input"], arguments.get("input_split_sizes")
-            row = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
-            split_bytes = tuple(rows * row for rows in splits) if splits else ()
-            return ("all_to_all", group, self._bytes(tensor), split_bytes)
-        if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
-            return ("reduce_scatter", group, self._bytes(arguments["output"]), ())
-        if name in ("all_gather_single", "all_gather_into_tensor"):
-            return ("all_gather", group, self._bytes(arguments["input_tensor"]), ())
-        if name == "all_gather":
-            return ("all_gather", group, self._bytes(arguments["tensor"]), ())
-        return (FAMILIES[name], group, self._bytes(arguments["tensor"]), ())
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[CallRecorder]:
-        originals = {name: getattr(dist, name) for name in FAMILIES if hasattr(dist, name)}
-
-        def wrap(name, fn):
-            signature = inspect.signature(fn)
-
-            def recorded(*args, **kwargs):
-                if getattr(self._inside, "active", False):
-                    return fn(*args, **kwargs)
-                bound = signature.bind(*args, **kwargs)
-                self.calls.append(self._describe(name, bound.arguments))
-                self._inside.active = True
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self._inside.active = False
-
-            return recorded
-
-        with mock.patch.multiple(dist, **{name: wrap(name, fn) for name, fn in originals.items()}):
-            yield self
-
-    def take(self) -> list[list]:
-        taken, self.calls = self.calls, []
-        return sorted([list(call[:3]) + [list(call[3])] for call in taken])
+def _taken_rows(recorder: CollectiveRecorder) -> list[list]:
+    """The calls since the last take, as the record keeps them: sorted [family, group, bytes, [split bytes]] rows."""
+    return sorted(call.as_row() for call in recorder.take())
 
 
 def _meter_step(meter) -> dict[str, list[int]]:
@@ -201,14 +128,16 @@ def _qsdp_case(rank: int, qsdp: dict, *, hierarchical: bool, frozen: bool = Fals
             model(input_ids=tokens, labels=tokens).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            steps.append({"calls": recorder.take(), "meter": _meter_step(meter)})
+            steps.append({"calls": _taken_rows(recorder), "meter": _meter_step(meter)})
     return {"steps": steps}
 
 
-def _recorder(replica_group, shard_group) -> CallRecorder:
+def _recorder(replica_group, shard_group) -> CollectiveRecorder:
+    """Groups labelled as in the record: the world first, then the replica and the shard group, else other[ranks]."""
     replica = dist.get_process_group_ranks(replica_group) if replica_group is not None else []
     shard = dist.get_process_group_ranks(shard_group) if shard_group is not None else []
-    return CallRecorder(replica, shard)
+    world = range(dist.get_world_size())
+    return CollectiveRecorder({"world": world, "replica": replica, "shard": shard}, other="other{ranks}")
 
 
 def _onebit_ddp_case(rank: int, which: str, overlap: bool) -> dict:
@@ -223,7 +152,7 @@ def _onebit_ddp_case(rank: int, which: str, overlap: bool) -> dict:
     meter = WireMeter()
     cls, hyper = (ZeroOneAdam, ZERO_ONE) if which == "zero_one" else (OneBitAdam, ONEBIT)
     optimizer = cls(net.parameters(), wire_meter=meter, overlap_comm=overlap, **hyper)
-    recorder = CallRecorder([], [])
+    recorder = _recorder(None, None)
     with recorder.recording():
         register_ddp_comm_hook(ddp, optimizer)
         recorder.take()
@@ -234,7 +163,7 @@ def _onebit_ddp_case(rank: int, which: str, overlap: bool) -> dict:
             nn.functional.mse_loss(ddp(idx), target).backward()
             optimizer.step()
             optimizer.zero_grad()
-            steps.append({"calls": recorder.take(), "meter": _meter_step(meter)})
+            steps.append({"calls": _taken_rows(recorder), "meter": _meter_step(meter)})
     return {"steps": steps}
 
 
@@ -261,34 +190,48 @@ def _onebit_hsdp_case(rank: int) -> dict:
             nn.functional.mse_loss(model(rows, x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
-            steps.append({"calls": recorder.take(), "meter": _meter_step(meter)})
+            steps.append({"calls": _taken_rows(recorder), "meter": _meter_step(meter)})
     return {"steps": steps}
 
 
-def _all_cases(rank: int, world_size: int) -> dict:
+CASE_RUNS = {
+    **{name: (lambda rank, qsdp=qsdp: _qsdp_case(rank, qsdp, hierarchical=False)) for name, qsdp in QSDP_CASES.items()},
+    "qsdp_w8g8_frozen_params": lambda rank: _qsdp_case(rank, QSDP_CASES["qsdp_w8g8"], hierarchical=False, frozen=True),
+    **{name: (lambda rank, qsdp=qsdp: _qsdp_case(rank, qsdp, hierarchical=True)) for name, qsdp in HIERARCHICAL_CASES.items()},
+    **{name: (lambda rank, spec=spec: _onebit_ddp_case(rank, *spec)) for name, spec in ONEBIT_CASES.items()},
+    "zero_one_adam_hsdp": _onebit_hsdp_case,
+}
+
+
+def _case(rank: int, world_size: int, case: str) -> dict:
     torch.manual_seed(0)
-    record = {}
-    for name, qsdp in QSDP_CASES.items():
-        record[name] = _qsdp_case(rank, qsdp, hierarchical=False)
-    record["qsdp_w8g8_frozen_params"] = _qsdp_case(rank, QSDP_CASES["qsdp_w8g8"], hierarchical=False, frozen=True)
-    for name, qsdp in HIERARCHICAL_CASES.items():
-        record[name] = _qsdp_case(rank, qsdp, hierarchical=True)
-    for name, (which, overlap) in ONEBIT_CASES.items():
-        record[name] = _onebit_ddp_case(rank, which, overlap)
-    record["zero_one_adam_hsdp"] = _onebit_hsdp_case(rank)
-    return record
+    return CASE_RUNS[case](rank)
+
+
+def _all_cases(rank: int, world_size: int) -> dict:
+    return {case: _case(rank, world_size, case) for case in CASES}
+
+
+def _by_rank_json(per_rank: list) -> dict:
+    # JSON round trip: tuples become lists, as in the record.
+    return json.loads(json.dumps({str(rank): result for rank, result in enumerate(per_rank)}))
 
 
 def _measure(tmp_path: Path) -> dict:
     per_rank = run_ranks(_all_cases, 4, tmp_path, timeout_s=900)
-    cases = per_rank[0].keys()
-    # JSON round trip: tuples become lists, as in the record.
-    return json.loads(json.dumps({case: {str(rank): per_rank[rank][case] for rank in range(4)} for case in cases}))
+    return {case: _by_rank_json([result[case] for result in per_rank]) for case in CASES}
+
+
+class _Measured(RankJobs):
+    """Each case measured on 4 ranks as its own job (run when its test first reads it), keyed by rank as in the record."""
+
+    def __getitem__(self, case: str) -> dict:
+        return _by_rank_json(super().__getitem__(case))
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict:
-    return _measure(tmp_path_factory.mktemp("wire_record"))
+def measured(tmp_path_factory) -> _Measured:
+    return _Measured(_case, 4, tmp_path_factory, timeout_s=900)
 
 
 def _record() -> dict:

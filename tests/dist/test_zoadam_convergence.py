@@ -11,6 +11,7 @@ AdamW 1.8e-3, 0/1 Adam 1.6e-3, 1-bit Adam 1.5e-3), and at most 1/20 of the untra
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -73,6 +74,7 @@ def _worker(rank, world):
     return {name: _train(rank, name) for name in ("AdamW", "ZeroOneAdam", "OneBitAdam")}
 
 
+@pytest.mark.slow  # 300 steps of three optimizers on 2 ranks: a convergence run
 def test_one_bit_optimizers_reach_adamw_loss(tmp_path):
     results = run_ranks(_worker, 2, tmp_path, timeout_s=300)[0]
     adamw = results["AdamW"]["losses"][-1]

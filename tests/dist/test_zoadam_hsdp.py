@@ -1,7 +1,7 @@
 """0/1 Adam and 1-bit Adam on HSDP shards (``register_hsdp_comm_hook``) on real gloo processes.
 
-Two spawns run every check (spawning and importing dominate the cost): world 2 (R = 2 replicas of S = 1)
-and world 4 (R = 4 x S = 1, R = 2 x S = 2, the convergence runs and the refusals). The oracles are
+Two world sizes: world 2 (R = 2 replicas of S = 1) and world 4 (R = 4 x S = 1, R = 2 x S = 2, the convergence
+runs and the refusals, each part its own job on the rank pool, so one failing part fails only its tests). The oracles are
 independent of qaccel's code:
 
 - S = 1: DDP + ``register_ddp_comm_hook`` trained in the same run on the same data; HSDP must give the same
@@ -30,20 +30,18 @@ from torch.nn.parallel import DistributedDataParallel
 from qaccel.comm import WireMeter
 from qaccel.fsdp import bytes_by_level
 from qaccel.optim import OneBitAdam, ZeroOneAdam, register_ddp_comm_hook, register_hsdp_comm_hook
-from tests._dist import run_ranks
+from tests._dist import CollectiveRecorder, RankJobs, ring_all_reduce, run_ranks
 from tests._zoadam_hsdp_helpers import (
     PARAM_SHAPES,
     TABLE_ROWS,
     USED_ROWS,
     WIDTH,
-    GroupCollectiveCounter,
     batch,
     full_step_inter_node_bytes,
     local_numel,
     make_model,
     onebit_step_inter_node_bytes,
     param_groups,
-    ring_all_reduce,
     shard_model,
 )
 
@@ -132,7 +130,7 @@ def _counted_hsdp_step(model, optimizer, meter, counter, data, replica_group, sh
     gradient; averaged over the replicas already on FULL steps).
     """
     kind = optimizer.schedule.next_kind().value
-    with counter.counting():
+    with counter.recording():
         optimizer.zero_grad(set_to_none=True)
         _loss(model, *data).backward()
     gradient_error = _gradient_error(model, data, kind, shard_group)
@@ -143,24 +141,26 @@ def _counted_hsdp_step(model, optimizer, meter, counter, data, replica_group, sh
         expected_norm = math.sqrt(float(squared[0]) / dist.get_world_size(replica_group))
     else:  # FULL: the averaged gradient's norm; local and sync: the replica's own
         expected_norm = node_norm
-    with counter.counting():
+    with counter.recording():
         optimizer.step()
     levels = bytes_by_level(meter.end_step())
     return {
         "kind": kind,
         "meter_inter": levels["inter_node"],
-        "counted_inter": counter.sent_bytes["replica"],
-        "replica_calls": dict(counter.calls["replica"]),
-        "shard_calls": dict(counter.calls["shard"]),
-        "other_calls": dict(counter.calls["other"]),
+        "counted_inter": counter.sent_bytes("replica"),
+        "replica_calls": dict(counter.op_counts("replica")),
+        "shard_calls": dict(counter.op_counts("shard")),
+        "other_calls": dict(counter.op_counts("other")),
         "norm": None if kind == "init" else optimizer.last_grad_norm,
         "expected_norm": expected_norm,
         "gradient_error": gradient_error,
     }
 
 
-def _counter(shard_mesh, replica_group) -> GroupCollectiveCounter:
-    return GroupCollectiveCounter(dist.get_process_group_ranks(replica_group), shard_mesh.mesh.flatten().tolist())
+def _counter(shard_mesh, replica_group) -> CollectiveRecorder:
+    """Calls attributed by their group's ranks to the replica group, else the shard group, else "other"."""
+    replica, shard = dist.get_process_group_ranks(replica_group), shard_mesh.mesh.flatten().tolist()
+    return CollectiveRecorder({"replica": replica, "shard": shard})
 
 
 def _pairs(hsdp: nn.Module, plain: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -285,7 +285,7 @@ def _refusals(rank: int) -> dict:
 
     def attempt(call) -> dict:
         counter = _counter(shard_mesh, replica_group)
-        with counter.counting():
+        with counter.recording():
             try:
                 call()
             except Exception as exc:  # noqa: BLE001 - the test inspects the type and the message
@@ -336,20 +336,22 @@ def _world2(rank: int, world: int) -> dict:
     return {"parity": {name: _parity_with_ddp(rank, world, name) for name in OPTIMIZERS}}
 
 
-def _world4(rank: int, world: int) -> dict:
-    return {
-        "parity": {name: _parity_with_ddp(rank, world, name) for name in OPTIMIZERS},
-        # 0/1 Adam with the table masked; 1-bit Adam without a mask, the control for the mask test.
-        "sharded": {
-            "ZeroOneAdam": _sharded_run(rank, "ZeroOneAdam", mask=True),
-            "OneBitAdam": _sharded_run(rank, "OneBitAdam", mask=False),
-        },
-        "convergence": {
-            kind: [_convergence(rank, seed, hsdp=kind == "hsdp") for seed in CONVERGENCE_SEEDS]
-            for kind in ("hsdp", "ddp")
-        },
-        "refusals": _refusals(rank),
-    }
+WORLD4_PARTS = {
+    "parity": lambda rank, world: {name: _parity_with_ddp(rank, world, name) for name in OPTIMIZERS},
+    # 0/1 Adam with the table masked; 1-bit Adam without a mask, the control for the mask test.
+    "sharded": lambda rank, world: {
+        "ZeroOneAdam": _sharded_run(rank, "ZeroOneAdam", mask=True),
+        "OneBitAdam": _sharded_run(rank, "OneBitAdam", mask=False),
+    },
+    "convergence": lambda rank, world: {
+        kind: [_convergence(rank, seed, hsdp=kind == "hsdp") for seed in CONVERGENCE_SEEDS] for kind in ("hsdp", "ddp")
+    },
+    "refusals": lambda rank, world: _refusals(rank),
+}
+
+
+def _world4_part(rank: int, world: int, part: str) -> dict:
+    return WORLD4_PARTS[part](rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +361,8 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return run_ranks(_world4, 4, tmp_path_factory.mktemp("zoadam_hsdp4"), timeout_s=600, pg_timeout_s=120)
+    """Per rank, each part's results ("parity", "sharded", ...), one job per part run when a test first reads it."""
+    return RankJobs(_world4_part, 4, tmp_path_factory, timeout_s=600, pg_timeout_s=120).by_rank()
 
 
 @pytest.fixture(params=["world2", "world4"])

@@ -20,8 +20,8 @@ import os
 import pytest
 import torch
 
+from tests._accelerate_runs import TINY, differing_params, full_params, run_step, set_rank_env, train_on
 from tests._dist import run_ranks
-from tests.dist.test_qsdp_accelerate import TINY, _differing, _full_params, _launch_env, _step, _train_on
 
 SAVE_AFTER, END = 5, 9
 HYPER = dict(lr=1e-3, var_freeze_step=2, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2, gradient_clipping=1.0)
@@ -46,7 +46,7 @@ def _prepared():
 
 
 def _train_worker(rank, world_size, ckpt_dir):
-    _launch_env(rank, world_size)
+    set_rank_env(rank, world_size)
     from qaccel.fsdp import find_units
 
     accelerator, model, optimizer = _prepared()
@@ -62,15 +62,15 @@ def _train_worker(rank, world_size, ckpt_dir):
             out["steps_since_sync_at_save"] = zoadam.schedule.steps_since_sync
             accelerator.save_state(ckpt_dir)
         out["kinds"].append(zoadam.schedule.next_kind().value)
-        _step(accelerator, model, optimizer, rank, step)
-        out["per_step"].append(_full_params(model))
+        run_step(accelerator, model, optimizer, rank, step)
+        out["per_step"].append(full_params(model))
     out["stats"] = {kind: tally["sent_bytes"] for kind, tally in accelerator.comm_stats()["total"].items()}
     accelerator.end_training()
     return out
 
 
 def _resume_worker(rank, world_size, ckpt_without_rank3, ckpt_dir):
-    _launch_env(rank, world_size)
+    set_rank_env(rank, world_size)
     accelerator, model, optimizer = _prepared()
     out = {"error": None}
     try:  # refused in qaccel's load pre-hook, before Accelerate loads anything: the run can go on
@@ -78,7 +78,7 @@ def _resume_worker(rank, world_size, ckpt_without_rank3, ckpt_dir):
     except FileNotFoundError as exc:
         out["error"] = str(exc)
     accelerator.load_state(ckpt_dir)
-    return _train_on(accelerator, model, optimizer, rank, range(SAVE_AFTER, END), out)
+    return train_on(accelerator, model, optimizer, rank, range(SAVE_AFTER, END), out)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_sharded_zero_one_adam_through_accelerate(runs):
     # ranks 0 and 2 (1 and 3) hold the same shard on the two nodes
     for step, kind in enumerate(kinds):
         for a, b in ((0, 2), (1, 3)):
-            differing = _differing(full[a]["per_step"][step], full[b]["per_step"][step])
+            differing = differing_params(full[a]["per_step"][step], full[b]["per_step"][step])
             if kind in ("full", "onebit_gradient", "sync"):
                 assert differing == [], (step, kind)
             elif kind == "local":
@@ -117,7 +117,7 @@ def test_sharded_zero_one_adam_through_accelerate(runs):
 def test_resume_between_syncs_is_bit_identical(runs):
     assert runs["full"][0]["steps_since_sync_at_save"] > 0  # each replica's own weights must come back
     for full, again in zip(runs["full"], runs["resumed"], strict=True):
-        assert _differing(full["per_step"][-1], again["params_at_end"]) == []
+        assert differing_params(full["per_step"][-1], again["params_at_end"]) == []
 
 
 def test_resume_without_a_rank_file_names_it_on_every_rank(runs):

@@ -18,9 +18,7 @@ that one deviation switched on, every step must match bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import io
-from collections import Counter
 
 import pytest
 import torch
@@ -30,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from qaccel.comm import WireMeter, onebit_layout, onebit_wire_bytes, ring_all_reduce_bytes
 from qaccel.optim import StepKind, ZeroOneAdam, register_ddp_comm_hook
 from tests._deepspeed_zoadam_port import USED_ROWS, batch, loss_of, make_net, param_group_dicts, run_port
-from tests._dist import run_ranks
+from tests._dist import CollectiveRecorder, run_ranks
 
 STEPS = 50
 HYPER = {
@@ -44,44 +42,6 @@ RUNS = {
     "group": dict(granularity="group", mask=True),
     "tensor_nomask": dict(granularity="tensor", mask=False),
 }
-
-
-class CollectiveCounter:
-    """Wraps the torch.distributed calls qaccel and DDP's hook use; counts calls and bytes each way."""
-
-    NAMES = ("all_reduce", "all_to_all_single", "all_gather_single", "all_gather_into_tensor")
-
-    def __init__(self) -> None:
-        self.calls: Counter[str] = Counter()
-        self.sent_bytes = 0
-
-    @contextlib.contextmanager
-    def counting(self):
-        world = dist.get_world_size()
-        originals = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
-
-        def wrap(name, fn):
-            def counted(*args, **kwargs):
-                tensor = args[1] if name != "all_reduce" else args[0]  # the input tensor
-                nbytes = tensor.numel() * tensor.element_size()
-                if name == "all_reduce":
-                    self.sent_bytes += 2 * (world - 1) * nbytes // world
-                elif name == "all_to_all_single":
-                    self.sent_bytes += (world - 1) * nbytes // world
-                else:
-                    self.sent_bytes += (world - 1) * nbytes
-                self.calls["all_gather" if name.startswith("all_gather") else name] += 1
-                return fn(*args, **kwargs)
-
-            return counted
-
-        for name, fn in originals.items():
-            setattr(dist, name, wrap(name, fn))
-        try:
-            yield self
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
 
 
 def _train(rank, world, spec, hyper):
@@ -99,8 +59,8 @@ def _train(rank, world, spec, hyper):
               "allreduced": []}  # fmt: skip
     for step in range(1, STEPS + 1):
         kind = optimizer.schedule.next_kind()
-        counter = CollectiveCounter()
-        with counter.counting():
+        counter = CollectiveRecorder()
+        with counter.recording():
             optimizer.zero_grad(set_to_none=True)
             loss_of(ddp, batch(step, rank)).backward()
             grads = [p.grad.detach().clone() for p in net.parameters()] if kind is StepKind.FULL else None
@@ -113,8 +73,8 @@ def _train(rank, world, spec, hyper):
         record["params"].append([p.detach().clone() for p in net.parameters()])
         record["params_equal"].append(_same_on_all_ranks(flat, world))
         record["var_equal"].append(_same_on_all_ranks(var, world))
-        record["calls"].append(dict(counter.calls))
-        record["counted"].append(counter.sent_bytes)
+        record["calls"].append(dict(counter.op_counts()))
+        record["counted"].append(counter.sent_bytes())
         record["metered"].append(sum(t.sent_bytes for t in tallies.values()))
     table_state = optimizer.state[net.table]
     record["table_exp_avg"] = table_state["exp_avg"].clone()

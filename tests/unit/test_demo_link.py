@@ -15,7 +15,8 @@ import pytest
 from qaccel.bench import demo
 
 # the bench's probes: whether this machine can make a namespace, and which exist (`ip netns list`)
-from tests.e2e.test_bench_e2e import _namespaces, _netns_unavailable
+from tests._launch import namespaces as _namespaces
+from tests._launch import netns_unavailable as _netns_unavailable
 
 
 def test_without_root_the_demo_says_why_in_one_line_and_creates_nothing(monkeypatch):

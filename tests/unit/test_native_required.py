@@ -1,4 +1,4 @@
-"""The CI switch of ``tests/conftest.py``: a required native backend that does not load stops the session.
+"""The CI switch of ``tests/conftest.py`` (``tests/_native_required.py``): a required native backend that does not load stops the session.
 
 The real switch is exercised by running pytest in a subprocess with a compiler that always fails
 (``CXX=false``, a fresh build cache): with ``QACCEL_REQUIRE_NATIVE=cpu`` (or ``CI=true``) the session must
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REQUIRE_ENV, required_native_backends
+from tests._native_required import REQUIRE_ENV, required_native_backends
 
 REPO = Path(__file__).resolve().parents[2]
 

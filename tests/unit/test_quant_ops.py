@@ -18,20 +18,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from qaccel.quant import PayloadSpec, _native, _ops, reference
+from tests._codec_checks import bits_equal
 
 OPS = tuple(_ops.SCHEMAS)
 SEED = 2**64 - 3  # above 2**63: crosses the schema's signed int as a negative bit pattern
 SPEC = PayloadSpec(((300, True), (7, False), (41, True)), 4, 32, torch.bfloat16, "stochastic", torch.float32)
 ROTATED = PayloadSpec(((300, True), (7, False)), 5, 64, torch.float32, "nearest", torch.float32, "hadamard")
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_floating_point():
-        ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-        return torch.equal(a.view(ints[a.dtype]), b.view(ints[b.dtype]))
-    return torch.equal(a, b)
 
 
 def _data(numel: int, seed: int = 0) -> torch.Tensor:
@@ -122,7 +114,7 @@ def test_compiled_round_trip_is_bit_identical_to_the_eager_reference(cpu_kernels
     codes, lo, scale = reference.quantize_buckets(x, 3, 100, False, SEED, torch.bfloat16)
     decoded = reference.dequantize_into(codes, lo, scale, 3, 100, torch.empty_like(x), False)
     for got, expected in zip(compiled, (codes, lo, scale, decoded, reference.sign_pack(x, 5)), strict=True):
-        assert _bits_equal(got, expected)
+        assert bits_equal(got, expected)
 
 
 def test_compiled_payload_ops_are_bit_identical_to_the_eager_reference(cpu_kernels):
@@ -141,8 +133,8 @@ def test_compiled_payload_ops_are_bit_identical_to_the_eager_reference(cpu_kerne
     base = _data(SPEC.numel, seed=3)
     blob, total = torch.compile(encode_then_sum, fullgraph=True)(src, base)
     expected_blob = reference.encode_payloads(src, SPEC, offsets.tolist(), seeds, torch.empty_like(blob))
-    assert _bits_equal(blob, expected_blob)
-    assert _bits_equal(total, reference.sum_payloads(expected_blob, SPEC, base, torch.empty_like(base)))
+    assert bits_equal(blob, expected_blob)
+    assert bits_equal(total, reference.sum_payloads(expected_blob, SPEC, base, torch.empty_like(base)))
 
 
 # -- opcheck: schema, fake kernel and aot dispatch agree with the kernels ---------------------------------

@@ -16,19 +16,10 @@ import torch
 
 from qaccel.comm import PayloadLayout, WireCodec, decode_chunk, encode_chunk, mix_seed
 from qaccel.quant import PayloadSpec, _native, decode_payloads, encode_payloads, reference, sum_payloads
+from tests._codec_checks import DTYPES, bits_equal
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 # Odd lengths, empty segments of both kinds, a one-element bucket tail, raw runs between weights.
 SEGMENTS = ((1000, True), (37, False), (0, True), (1029, True), (0, False), (5, False), (9, True), (1, True))
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_floating_point():
-        return torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype]))
-    return torch.equal(a, b)
 
 
 def _as_int64(seed: int) -> int:
@@ -92,7 +83,7 @@ def test_cpu_kernels_match_reference(cpu_kernels, elem_dtype, bits, meta, roundi
         out_offsets = [5 + spec.numel * ((s + 1) % slots) for s in range(slots)]
         reference.decode_payloads(out_ref, spec, ref, out_offsets)
         cpu_kernels.decode_payloads(out_ref, spec, got, out_offsets)
-        assert _bits_equal(ref, got), f"decoded into {out_dtype} differs"
+        assert bits_equal(ref, got), f"decoded into {out_dtype} differs"
         assert torch.equal(ref[:5], torch.full((5,), 7.0, dtype=out_dtype)), "decode wrote outside its chunks"
 
     for base_dtype, out_dtype in ((torch.float32, torch.float32), (elem_dtype, elem_dtype), (torch.float32, torch.bfloat16),
@@ -102,11 +93,11 @@ def test_cpu_kernels_match_reference(cpu_kernels, elem_dtype, bits, meta, roundi
         got = torch.empty(spec.numel, dtype=out_dtype)
         reference.sum_payloads(out_ref, spec, base, ref)
         cpu_kernels.sum_payloads(out_ref, spec, base, got)
-        assert _bits_equal(ref, got), f"sum base={base_dtype} out={out_dtype} differs"
+        assert bits_equal(ref, got), f"sum base={base_dtype} out={out_dtype} differs"
         if base_dtype == out_dtype:  # base aliasing out (the reduce-scatter's output holds its own chunk)
             aliased = base.clone()
             cpu_kernels.sum_payloads(out_ref, spec, aliased, aliased)
-            assert _bits_equal(ref, aliased), "sum into base itself differs"
+            assert bits_equal(ref, aliased), "sum into base itself differs"
 
 
 @pytest.mark.parametrize("bucket", [1, 3, 12, 1000, 5000], ids=lambda b: f"B{b}")
@@ -123,11 +114,11 @@ def test_cpu_kernels_match_reference_other_buckets(cpu_kernels, bucket, bits):
     ref, got = torch.empty(2 * spec.numel), torch.empty(2 * spec.numel)
     reference.decode_payloads(out_ref, spec, ref, [spec.numel, 0])
     cpu_kernels.decode_payloads(out_ref, spec, got, [spec.numel, 0])
-    assert _bits_equal(ref, got)
+    assert bits_equal(ref, got)
     base = torch.randn(spec.numel, generator=gen)
     reference.sum_payloads(out_ref, spec, base, ref[: spec.numel])
     cpu_kernels.sum_payloads(out_ref, spec, base, got[: spec.numel])
-    assert _bits_equal(ref, got)
+    assert bits_equal(ref, got)
 
 
 def test_cpu_kernels_do_not_depend_on_thread_count(cpu_kernels):
@@ -150,7 +141,7 @@ def test_cpu_kernels_do_not_depend_on_thread_count(cpu_kernels):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0])
-    assert _bits_equal(results[0][1], results[1][1])
+    assert bits_equal(results[0][1], results[1][1])
 
 
 @pytest.mark.parametrize("segments", [(), ((0, True), (0, False)), ((5, False),), ((9, True),)], ids=str)
@@ -167,7 +158,7 @@ def test_empty_specs_and_slots(cpu_kernels, segments, slots):
     ref, got = torch.empty(spec.numel), torch.empty(spec.numel)
     reference.sum_payloads(out_ref, spec, base, ref)
     cpu_kernels.sum_payloads(out_ref, spec, base, got)
-    assert _bits_equal(ref, got)
+    assert bits_equal(ref, got)
     if slots == 0:  # no payloads: the sum is the base, exactly
         assert torch.equal(got, base.float())
 
@@ -212,10 +203,10 @@ def test_fused_calls_equal_per_segment_path(monkeypatch, elem_dtype, bits, bucke
     assert torch.equal(blob, expected)
     got = torch.empty_like(decoded)
     decode(blob, spec, got, offsets)
-    assert _bits_equal(got, decoded)
+    assert bits_equal(got, decoded)
     out = torch.empty(spec.numel, dtype=elem_dtype)
     add(blob, spec, base, out)
-    assert _bits_equal(out, summed)
+    assert bits_equal(out, summed)
 
 
 def test_spec_layout_matches_payload_layout():
@@ -322,9 +313,9 @@ def test_cuda_kernels_match_reference(elem_dtype, bits, bucket, meta, rounding):
         out_offsets = [1 + spec.numel * s for s in (1, 2, 0)]
         reference.decode_payloads(blob_ref, spec, ref, out_offsets)
         kernels.decode_payloads(blob_ref, spec, got, out_offsets)
-        assert _bits_equal(ref, got), out_dtype
+        assert bits_equal(ref, got), out_dtype
         base = torch.randn(spec.numel, generator=gen).to(out_dtype).cuda()
         ref_sum, got_sum = torch.empty_like(base), base.clone()
         reference.sum_payloads(blob_ref, spec, base, ref_sum)
         kernels.sum_payloads(blob_ref, spec, got_sum, got_sum)  # in place, as the reduce-scatter may
-        assert _bits_equal(ref_sum, got_sum), out_dtype
+        assert bits_equal(ref_sum, got_sum), out_dtype

@@ -15,49 +15,49 @@ import pytest
 import torch
 
 from qaccel.quant import PayloadSpec
-from tests.unit.test_quant_rotation import (
+from tests._codec_checks import (
     BITS,
     BUCKETS,
-    _bucket_id,
-    _check_bits_and_bucket,
-    _check_dtypes,
-    _check_huge_magnitudes,
-    _check_matches_reference,
-    _check_zero_buckets,
-    _dtype_grid,
+    bucket_id,
+    check_bits_and_bucket,
+    check_dtypes,
+    check_huge_magnitudes,
+    check_matches_reference,
+    check_zero_buckets,
+    dtype_grid,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-@pytest.mark.parametrize("bucket", BUCKETS, ids=_bucket_id)
+@pytest.mark.parametrize("bucket", BUCKETS, ids=bucket_id)
 @pytest.mark.parametrize("bits", BITS)
 def test_cuda_matches_reference(cuda_kernels, bits, bucket):
     """One block per cell (128, 1024), odd buckets (100 = 64+32+4, two per cell), several blocks (3000)."""
-    _check_bits_and_bucket(cuda_kernels, bits, bucket, device="cuda")
+    check_bits_and_bucket(cuda_kernels, bits, bucket, device="cuda")
 
 
-@_dtype_grid
+@dtype_grid
 def test_cuda_matches_reference_dtypes(cuda_kernels, elem_dtype, meta, rounding, bucket):
-    _check_dtypes(cuda_kernels, elem_dtype, meta, rounding, bucket, device="cuda")
+    check_dtypes(cuda_kernels, elem_dtype, meta, rounding, bucket, device="cuda")
 
 
-@pytest.mark.parametrize("bucket", [1, 2, 5, 8, 12, 31, 1000, 5000], ids=_bucket_id)
+@pytest.mark.parametrize("bucket", [1, 2, 5, 8, 12, 31, 1000, 5000], ids=bucket_id)
 def test_cuda_matches_reference_small_and_long_buckets(cuda_kernels, bucket):
     """Eight buckets per cell (1, 2, 5, 31), groups of 8 codes across blocks and buckets (5, 12, 31),
     every block length up to 512 (1000), and a bucket longer than a block (5000: rotated twice)."""
     segments = ((1003, True), (17, True), (6001, True))
     spec = PayloadSpec(segments, 5, bucket, torch.float32, "stochastic", torch.float32, rotation="hadamard")
     gen = torch.Generator().manual_seed(bucket)
-    _check_matches_reference(cuda_kernels, spec, 2, gen, special=False, device="cuda")
+    check_matches_reference(cuda_kernels, spec, 2, gen, special=False, device="cuda")
 
 
 def test_cuda_matches_reference_huge_magnitudes(cuda_kernels):
-    _check_huge_magnitudes(cuda_kernels, device="cuda")
+    check_huge_magnitudes(cuda_kernels, device="cuda")
 
 
 def test_cuda_zero_buckets(cuda_kernels):
-    _check_zero_buckets(cuda_kernels, device="cuda")
+    check_zero_buckets(cuda_kernels, device="cuda")
 
 
 def test_cuda_binding_checks_the_seed_table(cuda_kernels):

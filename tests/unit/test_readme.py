@@ -16,35 +16,20 @@ import re
 import pytest
 
 from tests._commands import ALL_LAUNCHERS, REPO, Command, check_command, check_named, markdown_commands, named_commands
+from tests._readme import fenced_blocks, readme_text, snippet
 
-README = REPO / "README.md"
 MAX_LINES = 300
 SNIPPET_FILE = "train.py"  # the README runs its opening snippet as `torchrun ... train.py`
 
 
-def _text() -> str:
-    return README.read_text(encoding="utf-8")
-
-
-def _fenced(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", _text(), flags=re.M | re.S)
-
-
 def readme_commands() -> list[Command]:
     """Every shell command the README shows (``tests/_commands.py`` says what counts as one)."""
-    return markdown_commands(_text(), ALL_LAUNCHERS)
+    return markdown_commands(readme_text(), ALL_LAUNCHERS)
 
 
 def readme_named_commands() -> list[str]:
     """Inline ``qaccel <sub>`` / ``accelerate launch`` spans: the prose names a command without arguments."""
-    return named_commands(_text())
-
-
-def snippet(version: str) -> str:
-    """The opening diff as the file before (``-`` lines) or after (``+`` lines) the switch."""
-    (diff,) = _fenced("diff")
-    drop = "+" if version == "before" else "-"
-    return "".join(line[1:] + "\n" for line in diff.splitlines() if line[:1] in ("", " ", "+", "-") and line[:1] != drop)
+    return named_commands(readme_text())
 
 
 def check_readme_command(command: Command) -> None:
@@ -52,12 +37,12 @@ def check_readme_command(command: Command) -> None:
 
 
 def test_readme_is_under_300_lines():
-    lines = _text().count("\n")
+    lines = readme_text().count("\n")
     assert lines < MAX_LINES, f"README.md has {lines} lines; keep it under {MAX_LINES} (detail goes to docs/)"
 
 
 def test_readme_opens_with_the_switch_within_the_first_screen():
-    head = "\n".join(_text().splitlines()[:40])
+    head = "\n".join(readme_text().splitlines()[:40])
     assert "+from qaccel import Accelerator, QSDPPlugin" in head
 
 
@@ -91,7 +76,7 @@ def test_a_wrong_flag_is_caught():
 
 
 def _linked_paths() -> list[str]:
-    text = _text()
+    text = readme_text()
     links = [target for target in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+://", target)]
     spans = re.findall(r"`((?:docs|scripts|model_cards|launch_configs|qaccel|tests)/[^`\s<>*]+)`", text)
     return sorted(set(links) | set(spans))
@@ -113,7 +98,7 @@ def _imports(source: str) -> list[tuple[str, list[str]]]:
 
 
 def _python_sources() -> list:
-    blocks = [(f"python-block-{i}", block) for i, block in enumerate(_fenced("python"))]
+    blocks = [(f"python-block-{i}", block) for i, block in enumerate(fenced_blocks("python"))]
     sources = [("diff-before", snippet("before")), ("diff-after", snippet("after")), *blocks]
     return [pytest.param(where, source, id=where) for where, source in sources]
 

@@ -11,25 +11,7 @@ from __future__ import annotations
 import pytest
 
 from qaccel.optim import CommPlan, OneBitAdamSchedule, Phase, StepKind, ZeroOneAdamSchedule, count_step_kinds
-
-
-def closed_form_kinds(total: int, F: int, kappa: int, alpha: int, H: int) -> list[str]:
-    last_phase1 = max(F + 1, 2)  # DeepSpeed never freezes at the init step, so step 2 is always phase 1
-    variance, t, j = set(), 2, 0
-    while t <= last_phase1:
-        variance.add(t)
-        j += 1
-        interval = 2 ** (j // kappa)
-        t = interval * (t // interval + 1)
-    kinds = ["init"]
-    for t in range(2, total + 1):
-        if t <= last_phase1:
-            kinds.append("full" if t in variance else "onebit_gradient")
-        else:
-            k = t - last_phase1
-            h = min(H, 2 ** ((k - 1) // alpha))
-            kinds.append("sync" if t % h == 0 else "local")
-    return kinds
+from tests._schedules import closed_form_kinds
 
 
 def run_kinds(schedule, total: int) -> list[str]:

@@ -10,7 +10,7 @@ TORCH_INDEX_URL ?=
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.qaccel-installed
 
-.PHONY: venv demo test test-all lint bench clean
+.PHONY: venv demo test test-all durations lint bench clean
 
 # torch without a GPU: (1) torch==$(TORCH_VERSION) as pip is configured (or from TORCH_INDEX_URL);
 # (2) if that is a CUDA build (torch.version.cuda set; e.g. PyPI's Linux x86-64 wheel), say so and
@@ -48,13 +48,28 @@ venv: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/qaccel demo --output_dir runs/demo
 
-# The suite without its slow tier (tests marked `slow`: multi-minute end-to-end runs, the wheel
-# install, nvcc builds); `make test-all` runs everything, as CI does (.ci/run).
+# The suite without its slow tier (tests marked `slow`: end-to-end runs of a minute or more, kill and
+# resume runs, the wheel install, nvcc builds); goal: under 6 minutes on an idle 2-core machine.
+# `make test-all` runs everything, as CI does (.ci/run; goal: under 12 minutes), and prints the slowest.
 test: $(STAMP)
-	$(PY) -m pytest -q --timeout=900 -m "not slow"
+	$(PY) -m pytest -q --timeout=900 -m "not slow" --durations=10
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q --timeout=900 --durations=30
+
+# Rewrites tests/DURATIONS.md (kept in the repo, so a change that adds minutes shows in review) from a
+# whole-suite run (nothing is written when a test fails), or from the log of one: DURATIONS_FROM=ci.log.
+DURATIONS_FROM ?=
+DURATIONS_LOG := $(or $(DURATIONS_FROM),runs/test-all-durations.log)
+durations: $(STAMP)
+	$(if $(DURATIONS_FROM),,mkdir -p runs && $(PY) -m pytest -q --timeout=900 --durations=40 > $(DURATIONS_LOG) 2>&1 || { tail -40 $(DURATIONS_LOG); exit 1; })
+	grep -qE '^[0-9]+ passed' $(DURATIONS_LOG) && ! grep -qE '^[0-9]+ passed.* failed|^[0-9]+ failed|[0-9]+ error' $(DURATIONS_LOG)
+	{ echo "# The slowest tests of \`make test-all\`"; echo; \
+	  echo "Written by \`make durations\` from one whole-suite run; rerun it when a change adds or removes a slow test."; \
+	  echo "Tests marked \`slow\` run only in \`make test-all\` and CI (.ci/run); the rest also in \`make test\`."; echo; \
+	  echo '```'; sed -n '/slowest .*durations/,/short test summary info\|^[0-9]* passed/p' $(DURATIONS_LOG) | grep -E '^[0-9.]+s '; echo '```'; echo; \
+	  grep -E '^[0-9]+ passed' $(DURATIONS_LOG) | tail -1; } > tests/DURATIONS.md
+	cat tests/DURATIONS.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check qaccel tests scripts

@@ -8,13 +8,14 @@ the oracle (all three pass with the stock ``Accelerator`` on accelerate 1.15.0 a
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import accelerate
 import pytest
+
+from tests._launch import run_job
 
 RUNNER = Path(__file__).with_name("_accelerate_script_runner.py")
 # test_ops.py is left out: it builds no Accelerator (PartialState only), so it checks nothing of ours
@@ -24,13 +25,11 @@ pytestmark = pytest.mark.slow
 
 
 def _launch(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "ACCELERATE_", "FSDP_"))}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", str(RUNNER), script,
     ]  # fmt: skip
-    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    return run_job(cmd, check=False, cwd=tmp_path)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

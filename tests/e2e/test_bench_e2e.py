@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,36 +22,7 @@ from qaccel import cli
 from qaccel.bench import e2e
 from qaccel.bench._e2e_methods import parse_rate
 from qaccel.bench._e2e_netns import tbf_parameters
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "qaccel bench e2e needs root (network namespace + tc); not root here"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) not installed"
-    name = f"qaccel-e2e-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"network namespaces not allowed here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
-
-
-NETNS_SKIP = _netns_unavailable()
-needs_netns = pytest.mark.skipif(NETNS_SKIP is not None, reason=str(NETNS_SKIP))
-
-
-def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QACCEL_")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    return env
+from tests._launch import REPO, env, gone, interrupt_once_ranks_run, namespaces, needs_netns, rebuild_from_raw
 
 
 # -- arguments and refusals (no root needed) -----------------------------------------------------------
@@ -85,14 +55,14 @@ def test_warmup_below_two_is_refused(capsys):
 
 
 def test_not_root_says_so_and_exits_nonzero_without_creating_anything(monkeypatch, capsys):
-    before = _namespaces() if shutil.which("ip") else []
+    before = namespaces() if shutil.which("ip") else []
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     code = cli.main(["bench", "e2e", "--model", "tiny", "--methods", "ddp-adamw", "--steps", "1"])
     err = capsys.readouterr().err
     assert code == 1
     assert "needs root" in err and "1000" in err
     if shutil.which("ip"):
-        assert _namespaces() == before
+        assert namespaces() == before
 
 
 def test_default_plan_runs_prefetch_both_ways_only_for_fsdp2_fp32_and_w8g8():
@@ -104,7 +74,7 @@ def test_default_plan_runs_prefetch_both_ways_only_for_fsdp2_fp32_and_w8g8():
 
 def test_from_raw_names_a_missing_folder(tmp_path):
     cmd = [sys.executable, "-m", "qaccel.cli", "bench", "e2e", "--from_raw", str(tmp_path / "nothing")]
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "--from_raw" in proc.stderr and "not a folder" in proc.stderr
 
 
@@ -125,7 +95,7 @@ def test_smoke_two_ranks_two_methods_on_a_shaped_link(tmp_path):
     cmd = [sys.executable, "-m", "qaccel.cli", "bench", "e2e", "--model", "tiny", "--methods", "fsdp2-fp32,qsdp-w8g8",
            "--prefetch", "off", "--steps", "2", "--bandwidth", "50mbit", "--json", str(out), "--markdown", str(md),
            "--raw_dir", str(tmp_path / "raw")]  # fmt: skip
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     report = json.loads(out.read_text())
     assert {"schema_version", "benchmark", "command", "machine", "settings", "namespace", "shaping", "num_params",
@@ -151,7 +121,7 @@ def test_smoke_two_ranks_two_methods_on_a_shaped_link(tmp_path):
     assert rows["qsdp-w8g8"]["speedup"]["fsdp2-fp32"] == pytest.approx(rows["fsdp2-fp32"]["step_s"] / rows["qsdp-w8g8"]["step_s"])
     # Everything the run created is gone.
     assert report["namespace"]["removed"] is True
-    assert report["namespace"]["name"] not in _namespaces()
+    assert report["namespace"]["name"] not in namespaces()
     assert Path(report["png"]).stat().st_size > 0
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nkept text\n") and "| qsdp-w8g8 |" in text
@@ -159,45 +129,6 @@ def test_smoke_two_ranks_two_methods_on_a_shaped_link(tmp_path):
     rebuilt = rebuild_from_raw(cmd, tmp_path)
     for label, row in rows.items():
         assert rebuilt[label]["step_s"] == row["step_s"] and rebuilt[label]["link_bytes_per_step"] == row["link_bytes_per_step"]
-
-
-def rebuild_from_raw(cmd: list[str], tmp_path: Path) -> dict[str, dict]:
-    """Rerun ``cmd`` with ``--from_raw tmp_path/raw`` (nothing runs, no root needed); its rows by label."""
-    rebuilt_json = tmp_path / "rebuilt.json"
-    rebuild = cmd[: cmd.index("--json")] + ["--json", str(rebuilt_json), "--from_raw", str(tmp_path / "raw")]
-    proc = subprocess.run(rebuild, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["label"]: r for r in json.loads(rebuilt_json.read_text())["results"]}
-
-
-def interrupt_once_ranks_run(cmd: list[str], names: list[str], sig: int, ranks: int = 2) -> tuple[int, str, list[str]]:
-    """Start the bench, wait until torchrun and its ``ranks`` ranks run in each of the namespaces ``names``,
-    send ``sig``; return the exit status, stderr and the processes that were inside."""
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    names = [name.format(pid=proc.pid) for name in names]
-    try:
-        deadline = time.monotonic() + 120
-        inside: dict[str, list[str]] = {}
-        while time.monotonic() < deadline and proc.poll() is None:
-            if set(names) <= set(_namespaces()):
-                inside = {n: subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split() for n in names}
-                if all(len(pids) >= 1 + ranks for pids in inside.values()):
-                    break
-            time.sleep(0.5)
-        started = inside and all(len(pids) >= 1 + ranks for pids in inside.values())
-        assert started, f"the ranks never started in {names}: {inside} {proc.stderr.read() if proc.poll() is not None else ''}"
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert not set(names) & set(_namespaces())
-    return proc.returncode, err, [pid for pids in inside.values() for pid in pids]
-
-
-def gone(pid: str) -> bool:
-    """The process has exited (or is a zombie waiting for its parent)."""
-    return not Path(f"/proc/{pid}").exists() or "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
 
 
 @needs_netns

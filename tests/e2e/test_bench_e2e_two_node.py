@@ -24,15 +24,7 @@ from qaccel import cli
 from qaccel.bench import e2e
 from qaccel.bench._e2e_methods import NODES_DEFAULT_METHODS, default_methods
 from qaccel.bench._e2e_netns import NamespaceError, NodeCluster, counter_path
-from tests.e2e.test_bench_e2e import (
-    REPO,
-    _env,
-    _namespaces,
-    gone,
-    interrupt_once_ranks_run,
-    needs_netns,
-    rebuild_from_raw,
-)
+from tests._launch import REPO, env, gone, interrupt_once_ranks_run, namespaces, needs_netns, rebuild_from_raw
 
 
 # -- flags (no root needed) ----------------------------------------------------------------------------
@@ -57,11 +49,11 @@ def test_bad_node_counts_are_usage_errors(flags, says, capsys):
     ],
 )
 def test_contradicting_flags_are_refused_before_anything_runs(flags, says, capsys):
-    before = _namespaces() if shutil.which("ip") else []
+    before = namespaces() if shutil.which("ip") else []
     assert cli.main(["bench", "e2e", "--model", "tiny", *flags]) == 1
     assert says in capsys.readouterr().err
     if shutil.which("ip"):
-        assert _namespaces() == before
+        assert namespaces() == before
 
 
 def test_several_nodes_default_to_the_issue_methods_with_prefetch_on():
@@ -128,7 +120,7 @@ def test_cluster_sends_inter_node_bytes_over_the_shaped_veths_and_intra_node_byt
         finally:
             server.kill()
         assert cluster.qdisc_stats()["drops"] == 0
-    assert not set(cluster.names) & set(_namespaces())
+    assert not set(cluster.names) & set(namespaces())
 
 
 @needs_netns
@@ -143,7 +135,7 @@ def test_cluster_kills_its_processes_and_removes_its_namespaces_when_the_body_fa
         inside = cluster.pids()
         assert len(inside) == 2
         raise RuntimeError("boom")
-    assert not any(name.startswith(prefix) for name in _namespaces())
+    assert not any(name.startswith(prefix) for name in namespaces())
     for sleeper in sleepers:
         assert sleeper.wait(timeout=10) == -signal.SIGTERM
     for pid in inside:
@@ -157,7 +149,7 @@ def test_cluster_refuses_a_namespace_it_did_not_make_and_removes_the_ones_it_did
     try:
         with pytest.raises(NamespaceError, match=f"{prefix}-node1.*already exists"), NodeCluster(2, prefix=prefix):
             pass
-        assert f"{prefix}-node0" not in _namespaces() and f"{prefix}-node1" in _namespaces()
+        assert f"{prefix}-node0" not in namespaces() and f"{prefix}-node1" in namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", f"{prefix}-node1"], check=True)
 
@@ -172,11 +164,11 @@ def test_smoke_two_nodes_of_two_ranks(tmp_path):
     cmd = [sys.executable, "-m", "qaccel.cli", "bench", "e2e", "--nodes", "2", "--nproc_per_node", "2", "--model", "tiny",
            "--methods", "fsdp2-fp32,hsdp-fp32,hqsdp-w8g8-r4,hsdp-zero-one-adam", "--steps", "2", "--bandwidth", "100mbit",
            "--json", str(out), "--markdown", str(md), "--raw_dir", str(tmp_path / "raw")]  # fmt: skip
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     report = json.loads(out.read_text())
     assert report["errors"] == [] and report["settings"]["nodes"] == 2 and report["settings"]["world_size"] == 4
-    assert report["namespace"]["removed"] is True and not set(report["namespace"]["names"]) & set(_namespaces())
+    assert report["namespace"]["removed"] is True and not set(report["namespace"]["names"]) & set(namespaces())
     rows = {r["method"]: r for r in report["results"]}
     assert set(rows) == {"fsdp2-fp32", "hsdp-fp32", "hqsdp-w8g8-r4", "hsdp-zero-one-adam"}
     burst = report["shaping"]["100mbit"]["burst_bytes"]

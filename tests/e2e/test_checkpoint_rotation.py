@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.e2e.test_train_script import QSDP_CONFIG, launch, metrics
+from tests._launch import QSDP_CONFIG, launch, metrics
 
 
 def test_save_total_limit_leaves_exactly_the_two_newest_checkpoints(tmp_path):

@@ -9,33 +9,21 @@ detects the launch and runs it as ``cpu=True`` does: two processes over gloo, on
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._launch import run_job, torchrun_cmd
+
 PROBE = Path(__file__).with_name("_launch_probe.py")
 DETECTED = "multi-process CPU launch detected"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _launch(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     out = tmp_path / mode
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "ACCELERATE_", "FSDP_"))}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(PROBE), str(out), mode]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    proc = run_job(torchrun_cmd(str(PROBE), str(out), mode), check=False, timeout=240)
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     return proc, records
 

@@ -22,17 +22,13 @@ import pytest
 
 from qaccel.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 from qaccel.training.metrics_log import read_metrics
-from tests._dist import launch_env
+from tests._launch import env
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300  # start-up and 3 steps on 2 shared cores
 EXIT_TIMEOUT_S = 90  # SIGINT -> launcher exit (Accelerate's agent takes a few seconds itself)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.name != "posix", reason="POSIX process groups")]
-
-
-def _env() -> dict:
-    return launch_env()
 
 
 def _ready(out: Path) -> bool:
@@ -48,7 +44,7 @@ def test_ctrl_c_during_qaccel_train(tmp_path):
     flags = ["--recipe", "gpt2-tiny", "--max_steps", "1000", "--save_steps", "2", "--eval_steps", "0", "--output_dir", str(out)]
     stderr_path = tmp_path / "stderr.txt"
     with open(stderr_path, "w") as stderr:
-        job = subprocess.Popen([sys.executable, "-m", "qaccel.cli", "train", *flags], env=_env(), cwd=tmp_path,
+        job = subprocess.Popen([sys.executable, "-m", "qaccel.cli", "train", *flags], env=env(), cwd=tmp_path,
                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)  # fmt: skip
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
@@ -78,6 +74,6 @@ def test_ctrl_c_during_qaccel_train(tmp_path):
     resume = shlex.split(match.group(3))
     assert resume[:2] == ["qaccel", "train"] and resume[-2:] == ["--resume_from_checkpoint", "latest"]
     # The command is one qaccel train accepts: its checks (which open the checkpoint) pass.
-    check = subprocess.run([sys.executable, "-m", "qaccel.cli", *resume[1:], "--dry_run"], env=_env(), cwd=tmp_path,
+    check = subprocess.run([sys.executable, "-m", "qaccel.cli", *resume[1:], "--dry_run"], env=env(), cwd=tmp_path,
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert check.returncode == 0, check.stderr[-3000:]

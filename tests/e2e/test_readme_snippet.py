@@ -4,13 +4,11 @@ and the one-line switch really swaps FSDP2's collectives for QSDP's quantized on
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.e2e.test_qsdp_launch import free_port, launcher_env
-from tests.unit.test_readme import snippet
+from tests._launch import run_job, torchrun_cmd
+from tests._readme import snippet
 
 # appended after the snippet: what each rank's wire meter saw, one line per rank
 PROBE = 'import json\nprint("QACCEL_COMM " + json.dumps(accelerator.comm_stats()["total"]), flush=True)\n'
@@ -20,9 +18,7 @@ PROBE = 'import json\nprint("QACCEL_COMM " + json.dumps(accelerator.comm_stats()
 def test_readme_snippet_trains_on_two_cpu_processes_with_quantized_collectives(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(snippet("after") + PROBE)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
-    proc = subprocess.run(command, env=launcher_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = run_job(torchrun_cmd(str(script)), cwd=tmp_path)
     totals = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("QACCEL_COMM ")]
     assert len(totals) == 2, proc.stdout[-3000:]
     for total in totals:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._launch import REPO, run_job
 
 
 def _foreign_checkpoint(root: Path, method: str, recipe: str, task: str, base_model: str, config: dict | None = None) -> Path:
@@ -129,10 +129,7 @@ def _run_cases(tmp: Path) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("train_errors")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "FSDP_", "ACCELERATE_"))}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, __file__, str(tmp)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_job([sys.executable, __file__, str(tmp)], timeout=300)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -147,9 +144,7 @@ def test_bad_input_is_refused_before_any_collective_and_nothing_is_written(outco
 
 
 def _launch(cmd: list[str], tmp_path: Path, **extra_env: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "FSDP_", "ACCELERATE_"))}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", **extra_env)
-    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    return run_job(cmd, check=False, cwd=tmp_path, timeout=300, **extra_env)
 
 
 def _torchrun_bad_recipe(tmp_path: Path, **extra_env: str) -> subprocess.CompletedProcess:

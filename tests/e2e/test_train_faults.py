@@ -9,42 +9,19 @@ to the launcher's exit is printed (``-s`` shows it) and recorded in ``docs/relia
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests._dist import launch_env
+from tests._launch import REPO, SCRIPT, env, metrics, torchrun, torchrun_cmd, wait_for_steps
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "train.py"
 DETECT_LIMIT_S = 45.0  # kill -> launcher exit; the survivors see the closed connection at their next collective
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env() -> dict:
-    return launch_env()
-
-
-def _logged_steps(out: Path) -> int:
-    try:
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    return max((json.loads(line)["step"] for line in lines if line.strip().endswith("}")), default=0)
 
 
 def _kill_one_rank(tmp_path: Path, recipe: str, nproc: int, victim: int, *flags: str, sig: int = signal.SIGKILL, timeout_s: int = 120) -> dict:
@@ -54,19 +31,14 @@ def _kill_one_rank(tmp_path: Path, recipe: str, nproc: int, victim: int, *flags:
     The victim gets SIGCONT once they reported, so it can take the launcher's SIGTERM at once.
     """
     out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+    cmd = torchrun_cmd(
         str(SCRIPT), "--recipe", recipe, "--output_dir", str(out), "--max_steps", "500", "--eval_steps", "0",
-        "--save_steps", "0", "--collective_timeout_s", str(timeout_s), *flags,
-    ]  # fmt: skip
+        "--save_steps", "0", "--collective_timeout_s", str(timeout_s), *flags, nproc=nproc,
+    )  # fmt: skip
     log = open(tmp_path / "job.log", "w")
-    job = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    job = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while _logged_steps(out) < 3:
-            assert job.poll() is None, (tmp_path / "job.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "the job did not reach step 3"
-            time.sleep(0.2)
+        wait_for_steps(job, out, 3, tmp_path / "job.log")
         job_pids = {p.pid for p in psutil.Process(job.pid).children(recursive=True)} | {job.pid}
         victim_pid = int((out / "pids" / f"rank{victim}.pid").read_text().split()[0])
         assert victim_pid in job_pids
@@ -149,13 +121,10 @@ def test_run_killed_mid_training_resumes_bit_exactly_from_its_last_checkpoint(tm
     result = _kill_one_rank(tmp_path, "gpt2-tiny", 2, 1, *flags)
     assert result["code"] != 0 and not result["left"]
     out = tmp_path / "run"
-    common = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPT), "--recipe", "gpt2-tiny", "--eval_steps", "0", *flags, "--max_steps", "6"]
+    common = ["--recipe", "gpt2-tiny", "--eval_steps", "0", *flags, "--max_steps", "6"]
     for extra, folder in ((["--resume_from_checkpoint", "latest"], out), ([], tmp_path / "straight")):
-        cmd = common[:5] + ["--master_port", str(_free_port())] + common[5:] + ["--output_dir", str(folder), *extra]
-        proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+        torchrun(*common, "--output_dir", str(folder), *extra)
+    resumed, straight = metrics(out), metrics(tmp_path / "straight")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     for shard in sorted((tmp_path / "straight" / "checkpoint-6" / "pytorch_model_fsdp_0").glob("*.distcp")):

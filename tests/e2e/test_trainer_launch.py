@@ -31,13 +31,7 @@ import argparse
 import gc
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 VOCAB, SEQ, NUM_SEQS = 128, 32, 1024
 QSDP_STEPS, QSDP_SAVE = 16, 8
@@ -227,22 +221,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(suite: str, out: Path) -> list[dict[str, dict]]:
     """Run the suite on 2 processes; per rank, the runs by name."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "FSDP_", "ACCELERATE_"))}
-    env.update(
-        OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           __file__, suite, "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    from tests._launch import run_job, torchrun_cmd  # here: this module is also the ranks' entry point
+
+    run_job(torchrun_cmd(__file__, suite, "--out", str(out)), timeout=420, TRANSFORMERS_OFFLINE="1")
     return [{run["name"]: run for run in json.loads((out / f"rank{r}.json").read_text())} for r in range(2)]
 
 

@@ -22,6 +22,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+# Building the wheel and a virtual environment for it costs half a minute before any test runs:
+# the slow tier (make test-all, CI), as packaging changes rarely.
+pytestmark = pytest.mark.slow
+
 
 def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -77,7 +81,6 @@ def test_the_wheel_carries_the_recipes_launch_configs_kernels_and_entry_point(wh
     assert "qaccel = qaccel.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
-@pytest.mark.slow
 def test_every_command_runs_from_the_installed_wheel(installed, tmp_path):
     python, qaccel, env = installed["python"], str(installed["qaccel"]), installed["env"]
     where = _run([str(python), "-c", "import qaccel; print(qaccel.__file__)"], cwd=tmp_path, env=env).stdout.strip()
@@ -115,7 +118,6 @@ def test_bad_input_from_the_installed_wheel_is_one_line(installed, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.slow
 def test_the_demo_runs_from_the_installed_wheel(installed, tmp_path):
     """The README's first command, from the wheel: both jobs train on the launch config inside the package."""
     out = tmp_path / "demo"

@@ -6,22 +6,12 @@ all-reduce only on variance steps, the 1-bit exchange on 1-bit and sync steps, n
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._launch import REPO, run_job, torchrun_cmd
+
 SCRIPT = REPO / "scripts" / "zoadam_example.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +23,8 @@ def launched(tmp_path_factory):
         "lr": 3e-4, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": 6,
         "var_update_scaler": 2, "local_step_scaler": 4, "local_step_clipper": 4}}}))  # fmt: skip
     out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QACCEL_", "ACCELERATE_"))}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), QACCEL_ZERO_ONE_ADAM_PADDING="minimal")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        str(SCRIPT), "--cpu", "--steps", "24", "--grad_accum", "2", "--ds_config", str(ds_config), "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    cmd = torchrun_cmd(str(SCRIPT), "--cpu", "--steps", "24", "--grad_accum", "2", "--ds_config", str(ds_config), "--out", str(out))
+    run_job(cmd, timeout=300, QACCEL_ZERO_ONE_ADAM_PADDING="minimal")
     return json.loads(out.read_text())
 
 

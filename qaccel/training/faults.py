@@ -196,7 +196,12 @@ class FaultReporter:
         deadline = time.monotonic() + wait_s
         while True:
             peers = self._local_peers()
-            lost = {rank: pid for rank, (pid, created) in peers.items() if not _alive(pid, created)}
+            gone = {rank: pid for rank, (pid, created) in peers.items() if not _alive(pid, created)}
+            # A survivor touches its marker before it reports and exits, so markers read after the liveness
+            # check tell a survivor that left since the pid files were read (seen in a shake run) from a lost rank.
+            lost = {rank: pid for rank, pid in gone.items() if not (self.pid_dir / f"rank{rank}.stopped").exists()}
+            if gone != lost:
+                continue  # a survivor left: look again without it
             if lost or not peers or time.monotonic() >= deadline:
                 return lost
             time.sleep(0.05)

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from qaccel.training import faults
 from qaccel.training.faults import FaultReporter
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
@@ -32,7 +33,7 @@ NONE_GONE = "no local peer is gone"
 def _peer(tmp_path: Path, rank: int) -> subprocess.Popen:
     """A live process recorded as ``rank``'s, as train.py records its ranks."""
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    host = (tmp_path / "pids" / "rank0.pid").read_text().split()[1]
+    host = next((tmp_path / "pids").glob("rank*.pid")).read_text().split()[1]  # the reporter's own record
     created = psutil.Process(peer.pid).create_time()
     (tmp_path / "pids" / f"rank{rank}.pid").write_text(f"{peer.pid} {host} {created!r}\n")
     return peer
@@ -152,3 +153,29 @@ def test_the_report_is_one_write_so_lines_of_ranks_reporting_together_do_not_int
     assert len(writes) == 1, writes
     assert writes[0].startswith("qaccel: rank 0 of 1 stopped at step 0: stopped by the launcher") and writes[0].endswith("\n"), writes
     assert writes[0].count("\n") == 1, writes
+
+
+def test_a_survivor_that_reports_and_leaves_during_the_check_is_not_taken_for_the_lost_rank(tmp_path, monkeypatch):
+    # The shake's third race: rank 3 read the pid files and markers while survivor 1 still ran; survivor 1
+    # then touched its marker, reported and exited before rank 3 checked its pid, so rank 3 named it lost too.
+    # The liveness check is where the peer leaves here, deterministically; the victim (rank 2) is gone for real.
+    reporter = FaultReporter(tmp_path, 3, 4, install=False, peer_exit_wait_s=30)
+    survivor, victim = _peer(tmp_path, 1), _peer(tmp_path, 2)
+    victim.kill()
+    victim.wait()
+    alive = faults._alive
+
+    def survivor_leaves_first(pid: int, created: float) -> bool:
+        if pid == survivor.pid and survivor.poll() is None:
+            (tmp_path / "pids" / "rank1.stopped").touch()  # what a reporting survivor does before it exits
+            survivor.kill()
+            survivor.wait()
+        return alive(pid, created)
+
+    monkeypatch.setattr(faults, "_alive", survivor_leaves_first)
+    try:
+        line = reporter.describe("collective torch.distributed.all_reduce failed")
+    finally:
+        survivor.kill()
+        survivor.wait()
+    assert line.endswith(f"lost rank(s) 2 (pid {victim.pid} is gone)"), line

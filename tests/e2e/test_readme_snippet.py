@@ -10,8 +10,14 @@ import pytest
 from tests._launch import run_job, torchrun_cmd
 from tests._readme import snippet
 
-# appended after the snippet: what each rank's wire meter saw, one line per rank
-PROBE = 'import json\nprint("QACCEL_COMM " + json.dumps(accelerator.comm_stats()["total"]), flush=True)\n'
+# appended after the snippet: what each rank's wire meter saw, one line per rank. One write per line: ranks
+# run under `python -u`, where print() writes the text and the newline apart, and two ranks printing at once
+# glued their lines (a CI run failed on it).
+PROBE = (
+    'import json, sys\n'
+    'sys.stdout.write("QACCEL_COMM " + json.dumps(accelerator.comm_stats()["total"]) + "\\n")\n'
+    'sys.stdout.flush()\n'
+)
 
 
 @pytest.mark.slow

@@ -92,12 +92,6 @@ def _check(result: dict, nproc: int, victim: int) -> None:
 
 
 @pytest.mark.slow
-def test_qsdp_two_ranks_survivor_names_the_killed_rank(tmp_path):
-    result = _kill_one_rank(tmp_path, "gpt2-tiny", 2, 1)
-    _check(result, 2, 1)
-
-
-@pytest.mark.slow
 def test_zero_one_adam_two_ranks_survivor_names_the_killed_rank(tmp_path):
     result = _kill_one_rank(tmp_path, "bert-tiny", 2, 1)
     _check(result, 2, 1)
@@ -112,14 +106,15 @@ def test_four_ranks_one_killed_all_three_survivors_report_it(tmp_path, recipe):
 
 @pytest.mark.slow
 def test_run_killed_mid_training_resumes_bit_exactly_from_its_last_checkpoint(tmp_path):
-    """Requirement 2 after requirement 1: kill a rank, resume from `latest`, match an uninterrupted run.
+    """Requirement 2 after requirement 1: kill a rank of a QSDP job, the survivor names it, resume from
+    `latest`, match an uninterrupted run (one killed job serves both checks: a launch fewer in the suite).
 
     A constant learning rate makes the schedule independent of --max_steps, so the killed run
     (500 steps planned) and the uninterrupted one (6 steps) follow the same trajectory.
     """
     flags = ("--save_steps", "2", "--lr_scheduler", "constant")
     result = _kill_one_rank(tmp_path, "gpt2-tiny", 2, 1, *flags)
-    assert result["code"] != 0 and not result["left"]
+    _check(result, 2, 1)
     out = tmp_path / "run"
     common = ["--recipe", "gpt2-tiny", "--eval_steps", "0", *flags, "--max_steps", "6"]
     for extra, folder in ((["--resume_from_checkpoint", "latest"], out), ([], tmp_path / "straight")):

@@ -59,6 +59,12 @@ from qaccel.training import (
     process_group_timeout,
     replica_check_interval,
 )
+from qaccel.training.comm_options import (
+    add_comm_flags,
+    check_comm_options_for_model,
+    comm_options_from_flags,
+    install_comm_options,
+)
 from qaccel.training.faults import InterruptHandler
 from qaccel.training.loaders import build_train_loader
 from qaccel.training.methods import LAUNCH_FROM_ENV
@@ -131,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "zoadam_", ZeroOneAdamConfig, OneBitAdamConfig,
     )  # fmt: skip
     add_lora_flags(parser)
+    add_comm_flags(parser)
     args = parser.parse_args(argv)
     if args.push_to_hub and not args.hub_model_id:
         raise UsageError("--push_to_hub needs --hub_model_id ORG/NAME")
@@ -216,6 +223,7 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
         learning_rate=settings.learning_rate,
         weight_decay=settings.weight_decay,
         launch_parallelism=launch_parallelism,
+        comm=comm_options_from_flags(vars(args)),
     )
     process_group_timeout(args.collective_timeout_s)  # refuses a non-positive --collective_timeout_s
     output_dir = Path(args.output_dir)
@@ -274,7 +282,9 @@ def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHa
     )  # fmt: skip
     eval_loader = DataLoader(data.eval, batch_size=settings.per_device_batch_size, collate_fn=data.collator)
     optimizer, scheduler = build_optimizer_and_scheduler(accelerator, plan, model, settings)
+    check_comm_options_for_model(plan.comm, model)  # PowerSGD's one bucket on gloo, before prepare's collectives
     model, optimizer, eval_loader, scheduler = train_data.prepare(model, optimizer, eval_loader, scheduler)
+    install_comm_options(accelerator, model, plan.comm)  # --ddp_comm_hook, --fsdp_reduce_scatter
     meter_stock_ddp(accelerator, model, plan)  # a stock DDP baseline's bytes are counted too
     evaluation = PeriodicEvaluation.for_run(accelerator, inputs, model, eval_loader, data.label_names)
 

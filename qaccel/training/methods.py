@@ -23,6 +23,7 @@ from .._settings import env_flag
 from ..fsdp import QSDPConfig
 from ..optim import OneBitAdam, ZeroOneAdam
 from ..optim.config import OneBitAdamConfig, ZeroOneAdamConfig
+from .comm_options import CommOptions
 from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S, process_group_timeout
 
 __all__ = [
@@ -51,6 +52,10 @@ class MethodPlan:
     parallelism: str  # "fsdp2" or "ddp"
     qsdp: QSDPConfig | None  # the QSDP settings (both paths off for a stock FSDP2 run)
     onebit: ZeroOneAdamConfig | OneBitAdamConfig | None  # the 1-bit optimizer's settings
+    comm: CommOptions = CommOptions()  # the baseline options (DDP hook and buckets, FSDP2's reduce-scatter)
+
+    def __post_init__(self) -> None:
+        self.comm.check_plan(self.method, self.parallelism, self.qsdp)  # an option the run cannot honour is refused
 
     def config_dict(self) -> dict[str, Any]:
         """The method's full config as JSON-able values (recorded in checkpoints and metrics)."""
@@ -146,6 +151,7 @@ def plan_method(
     learning_rate: float,
     weight_decay: float,
     launch_parallelism: str | None = LAUNCH_FROM_ENV,
+    comm: CommOptions | None = None,
 ) -> MethodPlan:
     """Resolve and validate the method's settings; refuse launches that contradict it.
 
@@ -154,18 +160,18 @@ def plan_method(
         recipe_method: the recipe's own method; decides the parallelism of ``none``.
         recipe_qsdp, flag_qsdp: ``QSDPConfig`` fields from the recipe and from ``--qsdp_*`` flags.
         recipe_onebit, flag_onebit: ``ZeroOneAdamConfig`` / ``OneBitAdamConfig`` fields from the
-            recipe and from ``--zoadam_*`` flags; ``lr`` and ``weight_decay`` default to the
-            training settings.
+            recipe and from ``--zoadam_*`` flags; ``lr`` and ``weight_decay`` default to the training settings.
         launch_parallelism: what the launch asks for (``fsdp2``, ``hsdp``, ``deepspeed`` or None); default:
             read from the variables ``accelerate launch`` exports (a check before launching passes
             :func:`launch_config_parallelism` of the config file instead).
+        comm: the baseline options (``--ddp_comm_hook``, ...; None: none), checked by ``CommOptions.check_plan``.
 
     Precedence, as everywhere in qaccel: flag (argument), then ``QACCEL_*`` environment, then
     the recipe, then the default.
 
     Raises:
         ValueError: an unknown method, a bad setting (naming it), a launch that asks for DeepSpeed,
-            or an FSDP launch of a 1-bit optimizer without replicas (``dp_replicate_size`` < 2).
+            an FSDP launch of a 1-bit optimizer without replicas (``dp_replicate_size`` < 2), a comm option it cannot honour.
     """
     if method not in METHODS:
         raise ValueError(f"--method {method!r}: unknown; choose one of {', '.join(METHODS)}")
@@ -213,7 +219,7 @@ def plan_method(
         _refuse_unknown(method, {**recipe_onebit, **flag_onebit}, set(cls.field_names()))
         base = {"lr": learning_rate, "weight_decay": weight_decay, **recipe_onebit}
         onebit = cls.from_env(recipe=base, **flag_onebit)
-    return MethodPlan(method=method, parallelism=parallelism, qsdp=qsdp, onebit=onebit)
+    return MethodPlan(method=method, parallelism=parallelism, qsdp=qsdp, onebit=onebit, comm=comm or CommOptions())
 
 
 def _refuse_unknown(section: str, settings: dict[str, Any], known: set[str]) -> None:
@@ -237,7 +243,12 @@ def build_accelerator(
     ``collective_timeout_s`` bounds every collective of the process group, so a hung peer turns into
     an error on the others instead of a silent wait (see :mod:`qaccel.training.faults`).
     """
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        InitProcessGroupKwargs,
+        ProjectConfiguration,
+    )
 
     from ..integration import Accelerator, QSDPPlugin
 
@@ -261,6 +272,8 @@ def build_accelerator(
             fsdp["auto_wrap_policy"] = "transformer_based_wrap"
             fsdp["transformer_cls_names_to_wrap"] = [layer_cls]
         kwargs["fsdp_plugin"] = QSDPPlugin(qsdp_config=plan.qsdp, **fsdp)
+    elif plan.comm.ddp_bucket_cap_mb is not None:  # Accelerate hands it to DistributedDataParallel at prepare
+        kwargs["kwargs_handlers"].append(DistributedDataParallelKwargs(bucket_cap_mb=plan.comm.ddp_bucket_cap_mb))
     return Accelerator(**kwargs)
 
 
@@ -284,15 +297,16 @@ def build_optimizer(plan: MethodPlan, model: torch.nn.Module, *, learning_rate: 
 def meter_stock_ddp(accelerator: Any, model: torch.nn.Module, plan: MethodPlan) -> bool:
     """Count a stock DDP run's all-reduce bytes in the wire meter (numerics unchanged).
 
-    Only for ``none`` on DDP: the 1-bit optimizers install their own hook, and FSDP2 runs count
-    through QSDP's pass-through comms. Returns whether a hook was installed (not with one process,
-    where Accelerate does not wrap the model in DDP and nothing is communicated).
+    Only for ``none`` on DDP without ``--ddp_comm_hook`` (those hooks meter themselves,
+    :mod:`qaccel.training.comm_options`): the 1-bit optimizers install their own hook, and FSDP2 runs
+    count through QSDP's pass-through comms. Returns whether a hook was installed (not with one
+    process, where Accelerate does not wrap the model in DDP and nothing is communicated).
     """
     from torch.nn.parallel import DistributedDataParallel
 
     from ..comm import metered_allreduce_hook
 
-    if plan.method != "none" or plan.parallelism != "ddp" or not isinstance(model, DistributedDataParallel):
+    if plan.method != "none" or plan.parallelism != "ddp" or plan.comm.ddp_comm_hook != "none" or not isinstance(model, DistributedDataParallel):
         return False
     model.register_comm_hook(None, metered_allreduce_hook(accelerator.wire_meter))
     return True

@@ -44,7 +44,9 @@ class RunProgress:
 
 
 class StepMeter:
-    """One optimizer step's loss (mean over its micro-batches and the ranks), wall time and wire bytes.
+    """One optimizer step's loss (mean over its micro-batches and the ranks), wall time, wire bytes and, under a
+    1-bit optimizer, its kind (``step_kind``: a :class:`qaccel.optim.StepKind` value such as ``full``,
+    ``onebit_gradient`` or ``local``; what the step sends depends on it).
 
     Creating it closes the wire meter's current step: the bytes of set-up collectives (loading,
     an evaluation at step 0) do not belong to step 1.
@@ -56,8 +58,11 @@ class StepMeter:
         self.restart()
 
     def restart(self) -> None:
-        """Start the next step: no losses yet, the clock at zero."""
+        """Start the next step: no losses yet, its kind, the clock at zero."""
         self.losses: list[torch.Tensor] = []
+        # A 1-bit optimizer's schedule decides the kind of a step before it, from its state alone.
+        optimizers = self.accelerator.onebit_wiring.optimizers()
+        self.step_kind = optimizers[0].schedule.next_kind().value if optimizers else None
         self.start = time.perf_counter()
 
     def add(self, loss: torch.Tensor) -> None:
@@ -68,10 +73,11 @@ class StepMeter:
         """Close step ``run.step`` (just completed): its ``metrics.jsonl`` row; adds its bytes to ``run.wire_bytes_total``."""
         step_loss = self.accelerator.reduce(torch.stack(self.losses).mean(), reduction="mean").item()  # host sync, once per step
         step_seconds = time.perf_counter() - self.start
-        levels = bytes_by_level(self.accelerator.wire_meter.end_step())
+        self.tallies = self.accelerator.wire_meter.end_step()  # by kind: kept for tools that break the bytes down
+        levels = bytes_by_level(self.tallies)
         sent = levels["intra_node"] + levels["inter_node"]
         run.wire_bytes_total += sent
-        return {
+        row = {
             "step": run.step,
             "loss": step_loss,
             "learning_rate": learning_rate,
@@ -80,6 +86,9 @@ class StepMeter:
             "wire_bytes_total": run.wire_bytes_total,
             "step_seconds": step_seconds,
         }
+        if self.step_kind is not None:  # only under a 1-bit optimizer: other rows keep their keys
+            row["step_kind"] = self.step_kind
+        return row
 
     def end_evaluation(self) -> int:
         """The bytes of the evaluation just run (FSDP2 gathers weights in it), kept out of the next training step."""

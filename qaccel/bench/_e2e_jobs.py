@@ -1,17 +1,28 @@
 """Running ``qaccel bench e2e``: every configuration as its own ``torchrun`` job (one per node on a simulated cluster)
-inside the shaped network namespace, with its time limit, its log and its raw result."""
+inside the shaped network namespace, with its time limit, its log and its raw result.
+
+Each job is the users' training entry, ``qaccel.train``, under :mod:`qaccel.bench._e2e_probe` (the link counters
+at its step boundaries), with the flags of :func:`qaccel.bench._e2e_entry.entry_flags`; a method that shards
+within a node and replicates across nodes gets the mesh the way ``accelerate launch`` hands it to a script
+(``parallelism_config`` as ``PARALLELISM_CONFIG_*`` variables, ``dp_replicate_size`` = the node count). The
+compute-only times come from one-process runs of the same entry (:func:`qaccel.bench._e2e_entry.compute_jobs`),
+once per precision, after the jobs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from . import _e2e_cluster_report as cluster_report
+from . import _e2e_entry as entry
+from ._convergence_run import mesh_env
 from ._e2e_methods import METHODS, MODELS, config_label, format_rate, onebit_probe
 from ._e2e_netns import TX_BYTES, NodeCluster, ShapedNamespace
 from ._e2e_plan import E2EError
@@ -76,9 +87,9 @@ def _run_logged(jobs: list[tuple[list[str], dict, Path]], timeout: float, what: 
                 proc.wait()
 
 
-def _jobs(args, ns: ShapedNamespace | NodeCluster, spec_path: Path, label: str, tmp: Path, env: dict) -> list[tuple[list[str], dict, Path]]:
-    """The torchrun command(s) of one configuration: one job in the namespace, or one per node of the cluster."""
-    worker = ["-m", "qaccel.bench._e2e_worker", str(spec_path)]
+def _jobs(args, ns: ShapedNamespace | NodeCluster, worker: list[str], label: str, tmp: Path, env: dict) -> list[tuple[list[str], dict, Path]]:
+    """The torchrun command(s) of one configuration (``worker``: what torchrun runs on every rank): one job in the
+    namespace, or one per node of the cluster."""
     if isinstance(ns, ShapedNamespace):
         argv = ns.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
                            "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", "29500", *worker])  # fmt: skip
@@ -94,39 +105,58 @@ def _jobs(args, ns: ShapedNamespace | NodeCluster, spec_path: Path, label: str, 
     return jobs
 
 
-def _run_config(args, ns: ShapedNamespace | NodeCluster, method: str, prefetch: bool | None, rate_bits: float | None, tmp: Path, env: dict) -> dict:
-    spec_m = METHODS[method]
+def _run_entry(args, ns: ShapedNamespace | NodeCluster, method: str, prefetch: bool | None, rate_bits: float | None, tmp: Path, env: dict) -> dict:
+    """One configuration: the entry's run in the namespace (or one per node), read back (``_e2e_entry.read_run``);
+    its compute-only figures are added later (``_with_compute``)."""
     probe, total = None, args.warmup + args.steps
-    if spec_m.schedule_weighted:
+    if METHODS[method].schedule_weighted:
         probe, total = onebit_probe(method, args.steps)
     label = f"{config_label(method, prefetch)}@{format_rate(rate_bits)}"
-    out = tmp / f"{label}.json"
-    spec = {"mode": "ranks", "method": method, "prefetch": prefetch, "model": args.model, "lr": args.lr, "threads": args.threads,
-            "total_steps": total, "warmup": args.warmup, "compute_steps": args.warmup + args.steps, "probe": probe, "counter_path": TX_BYTES,
-            "pg_timeout_s": _timeout(args, rate_bits, 1), "out": str(out)}  # fmt: skip
-    if isinstance(ns, NodeCluster):
-        spec.update(nodes=ns.nodes, nproc_per_node=args.nproc_per_node, node_counters=[ns.counters(k) for k in range(ns.nodes)])
-    spec_path = tmp / f"{label}.spec.json"
-    spec_path.write_text(json.dumps(spec))
-    before = ns.qdisc_stats()
-    load = os.getloadavg()
+    out = tmp / label
+    shutil.rmtree(out, ignore_errors=True)  # a kept --raw_dir: the entry appends to an old metrics.jsonl
+    cluster = isinstance(ns, NodeCluster)
+    counters = [ns.counters(k) for k in range(ns.nodes)] if cluster else [{"lo": TX_BYTES}]
+    probe_path = tmp / f"{label}.probe.json"
+    probe_path.write_text(json.dumps({"nproc_per_node": args.nproc_per_node, "node_counters": counters, "output_dir": str(out)}))
+    flags, fsdp = entry.entry_flags(method, prefetch, args.model, probe)
+    recipe = entry.write_recipe(args.model, tmp, steps=total, lr=args.lr)
+    train = entry.train_argv(recipe, flags, out, steps=total, timeout_s=_timeout(args, rate_bits, 1))
+    run_env = entry.child_env(env, fsdp=fsdp)
+    if METHODS[method].needs_nodes:
+        run_env.update(mesh_env(ns.nodes, args.world_size))
+    before, load = ns.qdisc_stats(), os.getloadavg()
     started = time.perf_counter()
-    _run_logged(_jobs(args, ns, spec_path, label, tmp, env), _timeout(args, rate_bits, total + spec["compute_steps"]), label)
+    _run_logged(_jobs(args, ns, ["-m", "qaccel.bench._e2e_probe", str(probe_path), "--", *train], label, tmp, run_env), _timeout(args, rate_bits, total), label)
     after = ns.qdisc_stats()
-    raw = json.loads(out.read_text())
-    raw["wall_s"] = time.perf_counter() - started
+    raw = entry.read_run(out, method, args.world_size, args.warmup, probe, args.nproc_per_node if cluster else 0)
+    raw["info"].update(train_flags=flags, fsdp_launch=fsdp)
+    raw.update(torch_threads=args.threads, wall_s=time.perf_counter() - started)
     raw["qdisc"] = {k: (after[k] - before.get(k, 0)) for k in ("drops", "overlimits", "requeues") if isinstance(after.get(k), int)}
-    if isinstance(ns, NodeCluster):  # other jobs share the CPUs: the 1/5/15-minute load when the configuration started
+    if cluster:  # other jobs share the CPUs: the 1/5/15-minute load when the configuration started
         raw["load_average"] = list(load)
-    out.write_text(json.dumps(raw))  # with the wall time and qdisc counters, for --from_raw
     return raw
 
 
+def _run_compute(args, configs: list, tmp: Path, env: dict) -> dict[str, dict]:
+    """The compute-only figures of every precision ``configs`` use: ``world_size`` one-process runs each, at once."""
+    recipe = entry.write_recipe(args.model, tmp, steps=args.warmup + args.steps, lr=args.lr)
+    out = {}
+    for precision in dict.fromkeys(METHODS[method].compute for method, _ in configs):
+        jobs = entry.compute_jobs(recipe, precision, args.world_size, args.warmup + args.steps, tmp)
+        for _, output_dir, _ in jobs:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        _progress(f"compute-only {precision} ({args.world_size} one-process runs) ...")
+        _run_logged([(argv, entry.child_env(env, fsdp=False), log) for argv, _, log in jobs], _timeout(args, None, args.warmup + args.steps), f"compute-only {precision}")
+        out[precision] = entry.read_compute(jobs, args.warmup)
+    return out
+
+
 def measure_all(args: argparse.Namespace, rates: list[float | None], configs: list, tmp: Path) -> tuple[list[dict], dict, dict]:
-    """Run every configuration at every rate in one namespace (or cluster) shaped in turn; a failed one becomes an
-    error row. Returns the rows, the shaping per rate and what the report says about the namespace."""
+    """Run every configuration at every rate in one namespace (or cluster) shaped in turn, a failed one an error row;
+    then the compute-only runs (after the jobs: an interrupted bench stops in a job). Returns the rows, the shaping
+    per rate and what the report says about the namespace."""
     env = _child_env(args.threads)
-    results: list[dict] = []
+    results: list = []
     shaping: dict[str, dict | None] = {}
     with NodeCluster(args.nodes) if args.nodes > 1 else ShapedNamespace() as ns:
         cluster = isinstance(ns, NodeCluster)
@@ -137,20 +167,36 @@ def measure_all(args: argparse.Namespace, rates: list[float | None], configs: li
                 label = f"{config_label(method, prefetch)} @ {format_rate(rate)}"
                 _progress(f"{label} ...")
                 try:
-                    raw = _run_config(args, ns, method, prefetch, rate, tmp, env)
+                    raw = _run_entry(args, ns, method, prefetch, rate, tmp, env)
                 except E2EError as exc:
                     _progress(f"{label} failed: {exc}")
                     results.append(error_row(method, prefetch, rate, str(exc)))
                     continue
-                row = result_row(raw, method, prefetch, rate)
-                results.append(row)
-                if cluster:
-                    _progress(cluster_report.progress_line(label, row, raw["wall_s"]))
-                else:
-                    _progress(f"{label}: {row['step_s']:.3f} s/step, link {row['link_bytes_per_rank_step'] / 1e6:.2f} MB/rank, "
-                              f"meter {row['meter_bytes_per_rank_step'] / 1e6:.2f} MB/rank ({raw['wall_s']:.0f} s)")  # fmt: skip
+                results.append((raw, method, prefetch, rate))
+                _progress(f"{label}: {len(raw['steps'])} steps ({raw['wall_s']:.0f} s)")
     where = {"names": ns.names, **cluster_info(ns)} if cluster else {"name": ns.name}
-    return results, shaping, {**where, "removed": not ns.exists()}
+    return _with_compute(args, results, configs, tmp, env), shaping, {**where, "removed": not ns.exists()}
+
+
+def _with_compute(args: argparse.Namespace, results: list, configs: list, tmp: Path, env: dict) -> list[dict]:
+    """The rows: every finished job's raw result with its precision's compute-only figures (kept for --from_raw)."""
+    compute = _run_compute(args, configs, tmp, env)
+    rows = []
+    for item in results:
+        if isinstance(item, dict):  # an error row
+            rows.append(item)
+            continue
+        raw, method, prefetch, rate = item
+        raw.update(compute[METHODS[method].compute])
+        label = f"{config_label(method, prefetch)} @ {format_rate(rate)}"
+        (tmp / f"{config_label(method, prefetch)}@{format_rate(rate)}.json").write_text(json.dumps(raw))
+        rows.append(result_row(raw, method, prefetch, rate))
+        if args.nodes > 1:
+            _progress(cluster_report.progress_line(label, rows[-1], raw["wall_s"]))
+        else:
+            _progress(f"{label}: {rows[-1]['step_s']:.3f} s/step, link {rows[-1]['link_bytes_per_rank_step'] / 1e6:.2f} MB/rank, "
+                      f"meter {rows[-1]['meter_bytes_per_rank_step'] / 1e6:.2f} MB/rank ({raw['wall_s']:.0f} s)")  # fmt: skip
+    return rows
 
 
 def _progress(message: str) -> None:

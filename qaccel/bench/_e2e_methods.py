@@ -1,7 +1,7 @@
 """What ``qaccel bench e2e`` runs: the methods, the model shapes, link rates and the 1-bit probe schedules.
 
-Pure data and validation (no torch.distributed): the parent process validates the command line with it
-and the rank processes (``_e2e_worker``) build each method from the same table, so both agree on names.
+Pure data and validation (no torch.distributed): the parent process validates the command line with it and
+``_e2e_entry`` turns each row into the training entry's flags, so both agree on names.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ class Method:
         optimizer: ``"adamw"`` (torch's AdamW), ``"onebit"`` (1-bit Adam) or ``"zero_one"`` (0/1 Adam). A 1-bit
             optimizer runs under DDP (``ddp="onebit"``) or, on several nodes, on the node-sharded FSDP2 units of
             ``mesh="hqsdp"``, where :func:`qaccel.optim.register_hsdp_comm_hook` hands it the traffic across nodes.
-        meter: ``"qaccel"`` (bytes recorded by qaccel's WireMeter) or ``"ring"`` (the ring formula applied
-            to every collective torch issues, counted by wrapping ``torch.distributed``'s functions).
+        meter: where the meter bytes come from: ``"qaccel"``, the training entry's wire meter (``metrics.jsonl``'s
+            ``wire_bytes``), for every row: stock FSDP2 counts through QSDP's pass-through comms, PowerSGD and the
+            bf16 hook through the entry's metered hooks (``qaccel.training.comm_options``).
         mesh: ``"flat"`` (one group of all ranks, whatever the node count), ``"hsdp"`` (stock FSDP2 on the
             2-D mesh: sharded within a node, replicated across nodes) or ``"hqsdp"`` (FSDP2 on the intra-node
             mesh, qaccel across the replica group: hierarchical QSDP's all-reduce with AdamW, the 1-bit
@@ -110,9 +111,9 @@ _OPTIMIZERS = ("adamw", "onebit", "zero_one")
 
 
 _TABLE = (
-    Method("fsdp2-fp32", "FSDP2 fp32", "fsdp", meter="ring"),
+    Method("fsdp2-fp32", "FSDP2 fp32", "fsdp"),
     Method("fsdp2-fp32-a2a", "FSDP2 fp32, true reduce-scatter", "fsdp", qsdp=(None, None), reduce_scatter="alltoall"),
-    Method("fsdp2-bf16", "FSDP2 bf16 (params and reductions)", "fsdp", compute="bf16", meter="ring"),
+    Method("fsdp2-bf16", "FSDP2 bf16 (params and reductions)", "fsdp", compute="bf16"),
     Method("qsdp-off", "qaccel comms, compression off", "fsdp", qsdp=(None, None)),
     Method("qsdp-w8g8", "QSDP W8G8", "fsdp", qsdp=(8, 8)),
     Method("qsdp-w8g8-bf16", "QSDP W8G8, bf16 compute", "fsdp", compute="bf16", qsdp=(8, 8)),
@@ -121,8 +122,8 @@ _TABLE = (
     Method("qsdp-w4g4-rs-serial", "QSDP W4G4, reduce-scatter not overlapped", "fsdp", qsdp=(4, 4), overlap_reduce_scatter=False),
     Method("qsdp-w4g4-bf16", "QSDP W4G4, bf16 compute", "fsdp", compute="bf16", qsdp=(4, 4)),
     Method("ddp-adamw", "DDP AdamW", "ddp", ddp="adamw"),
-    Method("ddp-powersgd", "DDP AdamW + PowerSGD hook (rank 1, one DDP bucket)", "ddp", ddp="powersgd", meter="ring", ddp_buckets="one"),
-    Method("ddp-bf16", "DDP AdamW + bf16 compression hook", "ddp", ddp="bf16", meter="ring"),
+    Method("ddp-powersgd", "DDP AdamW + PowerSGD hook (rank 1, one DDP bucket)", "ddp", ddp="powersgd", ddp_buckets="one"),
+    Method("ddp-bf16", "DDP AdamW + bf16 compression hook", "ddp", ddp="bf16"),
     Method("onebit-adam", "1-bit Adam", "ddp", ddp="onebit", optimizer="onebit"),
     Method("zero-one-adam", "0/1 Adam", "ddp", ddp="onebit", optimizer="zero_one"),
     Method("onebit-adam-serial", "1-bit Adam, 1-bit all-reduce after backward", "ddp", ddp="onebit", optimizer="onebit", overlap_comm=False),
@@ -130,7 +131,7 @@ _TABLE = (
     Method("zero-one-adam-4mb", "0/1 Adam, 4 MB DDP buckets", "ddp", ddp="onebit", optimizer="zero_one", ddp_buckets="small"),
     Method("zero-one-adam-serial", "0/1 Adam, 1-bit all-reduce after backward", "ddp", ddp="onebit", optimizer="zero_one", overlap_comm=False),
     # several nodes only (``--nodes`` >= 2): sharded within a node, replicated across nodes
-    Method("hsdp-fp32", "HSDP fp32 (stock FSDP2, 2-D mesh)", "fsdp", meter="ring", mesh="hsdp"),
+    Method("hsdp-fp32", "HSDP fp32 (stock FSDP2, 2-D mesh)", "fsdp", mesh="hsdp"),
     Method("hqsdp-w8g8-r8", "hierarchical QSDP: W8G8 in a node, 8-bit across", "fsdp", qsdp=(8, 8), mesh="hqsdp", replica_grad_bits=8),
     Method("hqsdp-w8g8-r4", "hierarchical QSDP: W8G8 in a node, 4-bit across", "fsdp", qsdp=(8, 8), mesh="hqsdp", replica_grad_bits=4),
     Method("hqsdp-off-r4", "hierarchical QSDP: exact in a node, 4-bit across", "fsdp", qsdp=(None, None), mesh="hqsdp", replica_grad_bits=4),

@@ -2,10 +2,12 @@
 
 For each ``--bandwidth`` in turn the loopback of a private network namespace is shaped with ``tc`` (token
 bucket, ``_e2e_netns``) and every configuration (method x prefetch setting, ``_e2e_methods``) runs as its own
-``torchrun`` job inside the namespace (``_e2e_worker``). The kernel's interface counter gives the bytes on
-the link, qaccel's wire meter the bytes the method meant to send; a compute-only run of the same per-rank
-work gives ``T_compute``, and ``_e2e_report`` turns all of it into step times, ideals, speedups and the
-issue's goals. Details and the reading of the results: ``BENCHMARKS.md``.
+``torchrun`` job inside the namespace: the users' training entry, ``qaccel.train``, with the method's flags
+(``_e2e_entry``), its link counters read at the loop's step boundaries (``_e2e_probe``). The kernel's interface
+counter gives the bytes on the link; the run's ``metrics.jsonl`` the step times, the bytes the method meant to
+send (the entry's wire meter) and the 1-bit optimizers' step kinds; one-process runs of the same entry, as many
+as the job has ranks and all at once, give ``T_compute``; ``_e2e_report`` turns all of it into step times,
+ideals, speedups and the issue's goals. Details and the reading of the results: ``BENCHMARKS.md``.
 
 ``--nodes N`` (2 to 8) simulates a cluster instead: one namespace per node, its ranks on its own unshaped
 loopback, the nodes joined by shaped veth links (``_e2e_netns.NodeCluster``), and per configuration one

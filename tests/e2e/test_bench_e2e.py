@@ -212,21 +212,23 @@ def test_alltoall_reduce_scatter_is_exact_and_sends_a_true_reduce_scatters_bytes
 
 
 def _fair_baseline_fsdp_worker(rank: int, world: int) -> dict:
-    """Stock FSDP2 and the bench's fsdp2-fp32-a2a set-up on the same model and data: losses and sharded gradients."""
+    """Stock FSDP2 and fsdp2-fp32-a2a's set-up (the entry's ``--method none --fsdp_reduce_scatter alltoall``: QSDP's
+    pass-through comms with the all-to-all reduce-scatter) on the same model and data: losses and sharded gradients."""
     import copy
+    from types import SimpleNamespace
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from qaccel.bench._e2e_methods import METHODS
-    from qaccel.bench._e2e_worker import _setup_fsdp
+    from qaccel import fsdp as qfsdp
     from qaccel.comm import WireMeter
+    from qaccel.training.comm_options import CommOptions, install_comm_options
 
     torch.manual_seed(0)
     base = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.Tanh()) for _ in range(3)])
 
-    class Wrapper(torch.nn.Module):  # _setup_fsdp shards model.transformer.h and the root
+    class Wrapper(torch.nn.Module):  # sharded as the entry's auto-wrap does a GPT-2: each block, then the root
         def __init__(self, blocks):
             super().__init__()
             self.transformer = torch.nn.Module()
@@ -235,12 +237,18 @@ def _fair_baseline_fsdp_worker(rank: int, world: int) -> dict:
         def forward(self, x):
             return self.transformer.h(x).square().mean()
 
-    stock = Wrapper(copy.deepcopy(base))
-    for block in stock.transformer.h:
-        fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
-    fully_shard(stock, mesh=init_device_mesh("cpu", (world,)))
+    def sharded(model: torch.nn.Module) -> torch.nn.Module:
+        for block in model.transformer.h:
+            fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        return model
+
+    stock = sharded(Wrapper(copy.deepcopy(base)))
+    fair = sharded(Wrapper(copy.deepcopy(base)))
     meter = WireMeter()
-    fair, _, _, info = _setup_fsdp(METHODS["fsdp2-fp32-a2a"], Wrapper(copy.deepcopy(base)), world, False, meter, 1e-3)
+    handle = qfsdp.install_qsdp(fair, qfsdp.QSDPConfig(weight_bits=None, grad_bits=None, prefetch=False), meter=meter)
+    installed = install_comm_options(SimpleNamespace(wire_meter=meter, qsdp=handle), fair, CommOptions(fsdp_reduce_scatter="alltoall"))
+    info = {"reduce_scatter": installed}
     calls = []
     original = dist.all_to_all_single
     dist.all_to_all_single = lambda *a, **k: calls.append(1) or original(*a, **k)
@@ -273,7 +281,7 @@ def test_fair_baseline_gives_stock_fsdp2s_gradients_through_an_all_to_all(tmp_pa
         assert all(a == b for a, b in result["losses"])
         # every unit with parameters (the 3 blocks; the root holds none) reduce-scattered through the all-to-all, twice
         assert result["all_to_all_calls"] == 2 * 3
-        assert "bench.alltoall_reduce_scatter" in result["kinds"] and "all-to-all" in result["info"]["reduce_scatter"]
+        assert "fsdp.alltoall_reduce_scatter" in result["kinds"] and result["info"]["reduce_scatter"] == "fsdp reduce-scatter alltoall"
 
 
 def test_fair_baseline_is_a_default_method_compared_both_ways():

@@ -139,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_lora_flags(parser)
     add_comm_flags(parser)
     args = parser.parse_args(argv)
+    if args.logging_steps < 1:
+        raise UsageError(f"--logging_steps={args.logging_steps}: must be >= 1 (a metrics.jsonl row every N optimizer steps)")
     if args.push_to_hub and not args.hub_model_id:
         raise UsageError("--push_to_hub needs --hub_model_id ORG/NAME")
     check_save_total_limit(args.save_total_limit, "--save_total_limit")  # 0 or negative: refused before any save

@@ -55,6 +55,7 @@ class TrainingSettings:
 
     Raises:
         TypeError: a value of the wrong type, naming the field.
+        ValueError: a value out of range (no steps, an empty batch, a negative rate), naming the field.
     """
 
     max_steps: int
@@ -75,6 +76,8 @@ class TrainingSettings:
             accepted, allowed = _ACCEPTED[field_type]
             if isinstance(value, bool) or not isinstance(value, accepted):
                 raise TypeError(f"TrainingSettings.{name}={value!r}: must be {allowed} (from --{name} or the recipe's training.{name})")
+            if name in _MINIMUM and value < _MINIMUM[name]:  # 0 steps or a negative batch would run nothing, or crash later
+                raise ValueError(f"--{name}={value!r}: must be >= {_MINIMUM[name]} (from --{name} or the recipe's training.{name})")
 
     @classmethod
     def from_recipe(cls, training: Any, flags: Mapping[str, Any]) -> TrainingSettings:
@@ -98,6 +101,13 @@ class TrainingSettings:
     def to_dict(self) -> dict[str, Any]:
         """The settings as JSON values, in field order: what a checkpoint records and the trackers show."""
         return dataclasses.asdict(self)
+
+
+# The smallest value each numeric setting may take (save_steps and eval_steps: 0 means only at the end).
+_MINIMUM = {
+    "max_steps": 1, "per_device_batch_size": 1, "gradient_accumulation_steps": 1, "learning_rate": 0, "weight_decay": 0,
+    "warmup_steps": 0, "save_steps": 0, "eval_steps": 0,
+}  # fmt: skip
 
 
 @functools.cache

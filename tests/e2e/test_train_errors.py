@@ -74,6 +74,10 @@ def _cases(tmp: Path) -> dict[str, dict]:
         "collective_timeout": case("--recipe", "gpt2-tiny", "--collective_timeout_s", "0"),
         "check_replicas_env": case("--recipe", "gpt2-tiny", QACCEL_CHECK_REPLICAS="often"),
         "push_without_id": case("--recipe", "gpt2-tiny", "--push_to_hub"),
+        "no_steps": case("--recipe", "gpt2-tiny", "--max_steps", "0"),
+        "negative_steps": case("--recipe", "gpt2-tiny", "--max_steps", "-3"),
+        "negative_batch": case("--recipe", "gpt2-tiny", "--per_device_batch_size", "-1"),
+        "no_logging": case("--recipe", "gpt2-tiny", "--logging_steps", "0"),
     }
 
 
@@ -99,6 +103,10 @@ EXPECTED = {
     "collective_timeout": ("ValueError", ["--collective_timeout_s 0.0: must be a number of seconds > 0"]),
     "check_replicas_env": ("ValueError", ["QACCEL_CHECK_REPLICAS='often': must be an integer >= 0"]),
     "push_without_id": ("UsageError", ["--push_to_hub needs --hub_model_id"]),
+    "no_steps": ("ValueError", ["--max_steps=0: must be >= 1"]),
+    "negative_steps": ("ValueError", ["--max_steps=-3: must be >= 1"]),
+    "negative_batch": ("ValueError", ["--per_device_batch_size=-1: must be >= 1"]),
+    "no_logging": ("UsageError", ["--logging_steps=0: must be >= 1"]),
 }
 
 

@@ -29,7 +29,7 @@ from ..optim import OneBitOptimizerBase
 from ._qsdp import QSDPPlugin
 from ._transformers_internals import redo_device_setup
 
-__all__ = ["ensure_cpu_distributed", "check_combination", "qsdp_plugin_for", "onebit_clipping"]
+__all__ = ["ensure_cpu_distributed", "check_combination", "qsdp_plugin_for", "onebit_clipping", "clipping_choice"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,54 @@ def onebit_clipping(optimizer: OneBitOptimizerBase, max_grad_norm: float) -> Non
             "or max_grad_norm=0"
         )
     optimizer.set_gradient_clipping(float(max_grad_norm))
+
+
+def _overlap_off_anyway(optimizer: OneBitOptimizerBase, args: Any) -> str | None:
+    """Why the 1-bit all-reduce cannot overlap backward in this run whatever the clipping, or None.
+
+    The set-up half of :meth:`OneBitOptimizerBase.overlap_blocker`, read from ``TrainingArguments``
+    before the model is wrapped (the optimizer is not attached yet).
+    """
+    if not optimizer.config.overlap_comm:
+        return "the optimizer has overlap_comm=False"
+    if args.world_size <= 1:
+        return "one process: there is no all-reduce"
+    if args.device.type != "cpu":
+        return f"overlap runs on CPU (gloo) only, this run is on {args.device.type}"
+    if args.fp16:
+        return "fp16 makes the ranks agree on overflow, and a skipped step must not have touched the state"
+    return None
+
+
+def clipping_choice(optimizer: OneBitOptimizerBase, args: Any) -> tuple[int, str]:
+    """The logging level and message that say how ``optimizer`` clips in this run and what that does to the overlap.
+
+    The optimizer's clipping norm (``docs/zero_one_adam.md``, "Clipping") covers the whole gradient,
+    so it is known only when backward ends, after the overlapped all-reduce would have read the
+    gradients; clipping therefore runs the 1-bit all-reduce after backward. No rule that keeps the
+    overlap clips the step it is measured on with a rank-consistent norm (``docs/trainer.md``,
+    "Clipping and overlap"). A WARNING when clipping is what switches the overlap off (fixed with
+    ``max_grad_norm=0``), INFO otherwise.
+    """
+    name, clip, max_grad_norm = type(optimizer).__name__, optimizer.config.gradient_clipping, args.max_grad_norm
+    blocker = _overlap_off_anyway(optimizer, args)
+    if clip <= 0:
+        what = f"qaccel.Trainer: {name} does not clip (max_grad_norm={max_grad_norm}, gradient_clipping=0)"
+        if blocker is not None:
+            return logging.INFO, f"{what}; its 1-bit all-reduce runs after backward ({blocker})"
+        return logging.INFO, f"{what}, so its 1-bit all-reduce overlaps backward (overlap_comm)"
+    own = clip != max_grad_norm  # the optimizer's own value, with max_grad_norm=0
+    what = (
+        f"qaccel.Trainer: {name} clips at {f'its own gradient_clipping={clip}' if own else f'max_grad_norm={clip}'} "
+        "with a norm that is the same on every rank and known only after backward"
+    )
+    if blocker is not None:
+        return logging.INFO, f"{what}; its 1-bit all-reduce runs after backward in this run anyway ({blocker})"
+    fix = "build the optimizer with gradient_clipping=0" if own else "set max_grad_norm=0"
+    return logging.WARNING, (
+        f"{what}, so its 1-bit all-reduce runs after backward (no overlap with backward); {fix} to overlap it "
+        "with backward, without clipping (docs/trainer.md, \"Clipping and overlap\")"
+    )
 
 
 def qsdp_plugin_for(args: Any, qsdp: QSDPConfig) -> QSDPPlugin:

@@ -12,6 +12,7 @@ that module holds every private transformers name and the versions it was checke
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ from ._transformers_internals import TrainerHooks, check_trainer_internals, trai
 from .accelerator import Accelerator
 
 __all__ = ["Trainer"]
+
+logger = logging.getLogger(__name__)
 
 _PARENT_SIGNATURE = inspect.signature(transformers.Trainer.__init__)
 
@@ -43,7 +46,10 @@ class Trainer(TrainerHooks):
     A qaccel :class:`~qaccel.optim.ZeroOneAdam` or :class:`~qaccel.optim.OneBitAdam` passed in
     ``optimizers=(opt, None)`` (or built from ``optimizer_cls_and_kwargs``) trains under DDP with its
     communication hook; it clips gradients itself, at ``TrainingArguments.max_grad_norm`` unless it
-    was given its own ``gradient_clipping``.
+    was given its own ``gradient_clipping``. Clipping needs the norm of the whole gradient, known only
+    after backward, so it runs the 1-bit all-reduce after backward instead of overlapping it
+    (``overlap_comm``); ``max_grad_norm=0`` keeps the overlap, without clipping. Rank 0 logs once
+    which of the two the run uses (a warning when clipping is what turns the overlap off).
 
     On a multi-process run without a GPU (``torchrun`` on CPUs) ``TrainingArguments`` is switched to
     ``use_cpu=True``, so the processes train together over gloo.
@@ -79,10 +85,12 @@ class Trainer(TrainerHooks):
         self._qaccel_qsdp = qsdp
         self._qaccel_meter = wire_meter if wire_meter is not None else WireMeter()
         self._qaccel_wire_log = WireLog(self._qaccel_meter)
+        self._qaccel_clipping_logged = False
         super().__init__(**arguments)
         self.add_callback(WireStepCallback(self._qaccel_meter))
         if isinstance(self.optimizer, OneBitOptimizerBase):
             _trainer_setup.onebit_clipping(self.optimizer, self.args.max_grad_norm)
+            self._log_clipping_choice(self.optimizer)
 
     # ---------------------------------------------------------------------------------- set-up
     def create_accelerator_and_postprocess(self) -> None:
@@ -108,12 +116,23 @@ class Trainer(TrainerHooks):
         if isinstance(optimizer, OneBitOptimizerBase):  # also one built from optimizer_cls_and_kwargs
             _trainer_setup.check_combination(self.args, self._qaccel_qsdp, optimizer)
             _trainer_setup.onebit_clipping(optimizer, self.args.max_grad_norm)
+            self._log_clipping_choice(optimizer)
         return optimizer
 
     # -------------------------------------------------------------------------------- clipping
     def _onebit_optimizer(self) -> OneBitOptimizerBase | None:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside an AcceleratedOptimizer
         return optimizer if isinstance(optimizer, OneBitOptimizerBase) else None
+
+    def _log_clipping_choice(self, optimizer: OneBitOptimizerBase) -> None:
+        # Once per Trainer (create_optimizer runs again for an optimizer given to __init__), on rank 0:
+        # the choice is the same on every rank.
+        if self._qaccel_clipping_logged:
+            return
+        self._qaccel_clipping_logged = True
+        if self.is_world_process_zero():
+            level, message = _trainer_setup.clipping_choice(optimizer, self.args)
+            logger.log(level, message)
 
     def _qaccel_optimizer_clips(self) -> bool:
         # A 1-bit optimizer clips in step(), with a norm that is the same on every rank; the Trainer's

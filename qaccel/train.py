@@ -65,6 +65,7 @@ from qaccel.training.comm_options import (
     comm_options_from_flags,
     install_comm_options,
 )
+from qaccel.training.deepspeed_config import add_deepspeed_flag, apply_deepspeed_config
 from qaccel.training.faults import InterruptHandler
 from qaccel.training.loaders import build_train_loader
 from qaccel.training.methods import LAUNCH_FROM_ENV
@@ -138,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     add_lora_flags(parser)
     add_comm_flags(parser)
+    add_deepspeed_flag(parser)
     args = parser.parse_args(argv)
     if args.logging_steps < 1:
         raise UsageError(f"--logging_steps={args.logging_steps}: must be >= 1 (a metrics.jsonl row every N optimizer steps)")
@@ -209,12 +211,16 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
             flag or key, the value and what is allowed.
     """
     require_extra("zoo", "qaccel.train (recipes, data, tokenizers)")
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    args = apply_deepspeed_config(args, world_size=world_size)  # --deepspeed_config: the JSON's settings as flags
     recipe, source = resolve_recipe(args)
     if source is not None:  # files, splits and columns now (local data is read), a Hub id's reachability
         check_data_source(source, recipe.task)
     settings = TrainingSettings.from_recipe(recipe.training, vars(args))  # recipe values; flags given win
     method = args.method or recipe.method.name
     onebit_recipe = recipe.method.onebit_adam if method == "onebit_adam" else recipe.method.zero_one_adam
+    if getattr(args, "deepspeed_config", None) is not None:  # the JSON's optimizer block replaces the recipe's: DeepSpeed's defaults under it
+        onebit_recipe = {}
     plan = plan_method(
         method,
         recipe_method=recipe.method.name,
@@ -240,7 +246,7 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
         saved=None,
         resume_warnings=[],
         replica_interval=replica_check_interval(),
-        world_size=world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")),
+        world_size=world_size,
         lora=lora_from_flags(args, recipe.lora),
     )
     if inputs.lora is not None:  # target names against the model's layers, on the meta device

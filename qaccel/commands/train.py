@@ -16,9 +16,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._errors import UsageError
 from ._output import report_usage_error
+
+if TYPE_CHECKING:
+    from ..optim.config import OneBitConfigBase
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--num_processes", type=int, help="override the launch config's process count")
     parser.add_argument("--dry_run", action="store_true", help="check everything and print the command instead of running it")
+    parser.add_argument(
+        "--allow_uncorrected_variance",
+        action="store_true",
+        help="launch a 1-bit optimizer whose frozen variance, without variance_bias_correction, makes later steps more "
+        "than 4x Adam's (DeepSpeed's numerics as they are); refused otherwise",
+    )
     parser.set_defaults(func=run, accepts_extra_args=True)
 
 
@@ -60,20 +70,37 @@ def build_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
             training entry point would report it.
     """
     from .. import train as entry
+    from ..training.deepspeed_config import with_deepspeed_method
     from ..training.methods import launch_config_parallelism
 
     if args.num_processes is not None and args.num_processes < 1:
         raise UsageError(f"--num_processes {args.num_processes}: must be >= 1")
     train_argv = [*(["--recipe", args.recipe] if args.recipe is not None else []), *extra]
-    train_args = entry.parse_args(train_argv)
+    train_args = with_deepspeed_method(entry.parse_args(train_argv))  # a DeepSpeed JSON's optimizer picks the method
     recipe, _ = entry.resolve_recipe(train_args)  # without --recipe: the defaults, launch config by method
     config = _launch_config(args, recipe, train_args.method)
     num_processes = args.num_processes or _config_processes(config)
-    entry.check_inputs(train_args, launch_parallelism=launch_config_parallelism(config), world_size=num_processes)
+    inputs = entry.check_inputs(train_args, launch_parallelism=launch_config_parallelism(config), world_size=num_processes)
+    _check_frozen_variance(inputs.plan.onebit, inputs.settings.max_steps, allowed=args.allow_uncorrected_variance)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     if args.num_processes is not None:
         command += ["--num_processes", str(args.num_processes)]
     return command + ["-m", "qaccel.train", *train_argv]
+
+
+def _check_frozen_variance(config: OneBitConfigBase | None, max_steps: int, *, allowed: bool) -> None:
+    """Refuse a 1-bit optimizer whose post-freeze steps would be more than 4x Adam's (:mod:`qaccel.optim._variance_bias`).
+
+    Refused, not warned: such a run diverges within a few steps of the freeze, after the launch and the
+    first steps have been paid for, and a warning scrolls past in the ranks' output. Checked here, in
+    the launcher, so a direct ``accelerate launch -m qaccel.train`` (benchmarks, reproductions of a
+    DeepSpeed run) keeps DeepSpeed's behaviour; the optimizer logs the same message there.
+    """
+    from ..optim import frozen_variance_problem
+
+    problem = None if config is None or allowed else frozen_variance_problem(config, max_steps=max_steps)
+    if problem is not None:
+        raise UsageError(f"{problem}; or --allow_uncorrected_variance to launch DeepSpeed's numerics as they are")
 
 
 def _config_processes(config: Path) -> int:
@@ -90,6 +117,7 @@ def _resume_command(args: argparse.Namespace, extra: list[str]) -> str:
         *(["--recipe", args.recipe] if args.recipe is not None else []),
         *(["--launch_config", args.launch_config] if args.launch_config is not None else []),
         *(["--num_processes", str(args.num_processes)] if args.num_processes is not None else []),
+        *(["--allow_uncorrected_variance"] if args.allow_uncorrected_variance else []),
     ]
     return shlex.join(["qaccel", "train", *own, *resume_argv(extra)])
 

@@ -14,6 +14,14 @@ from ._ddp_hook import OneBitCommHookState, onebit_comm_hook, register_ddp_comm_
 from ._hsdp_hook import OneBitReplicaHook, register_hsdp_comm_hook
 from ._port import OneBitPlacement, OneBitPort
 from ._schedule import CommPlan, OneBitAdamSchedule, Phase, StepKind, ZeroOneAdamSchedule, count_step_kinds
+from ._variance_bias import (
+    MAX_FROZEN_STEP_FACTOR,
+    frozen_step_factor,
+    frozen_variance_factor,
+    frozen_variance_problem,
+    smallest_safe_freeze_step,
+    variance_updates_at_freeze,
+)
 from .config import GRANULARITIES, OneBitAdamConfig, ZeroOneAdamConfig
 from .onebit_adam import OneBitAdam
 from .zero_one_adam import ZeroOneAdam
@@ -38,4 +46,10 @@ __all__ = [
     "register_ddp_comm_hook",
     "OneBitReplicaHook",
     "register_hsdp_comm_hook",
+    "MAX_FROZEN_STEP_FACTOR",
+    "frozen_step_factor",
+    "frozen_variance_factor",
+    "frozen_variance_problem",
+    "smallest_safe_freeze_step",
+    "variance_updates_at_freeze",
 ]

@@ -9,6 +9,7 @@ public port of :mod:`qaccel.optim._port` only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,6 +24,7 @@ from ._port import OneBitPlacement
 from ._resume import ResumeMixin
 from ._schedule import COMPRESSED_KINDS, CommPlan, OneBitAdamSchedule, StepKind, ZeroOneAdamSchedule
 from ._units import Unit, build_units, unit_grad, unit_params_as_weights, unit_weights, write_back
+from ._variance_bias import log_frozen_variance_factor
 from .config import OneBitConfigBase
 
 __all__ = ["OneBitOptimizerBase", "COMPRESSED_KINDS"]
@@ -60,6 +62,7 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
         self._init_resume_state()
         defaults = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
         super().__init__(params, defaults)
+        log_frozen_variance_factor(config)
 
     # ----------------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -307,13 +310,27 @@ class OneBitOptimizerBase(ResumeMixin, torch.optim.Optimizer):
                 continue
             group, state = self._group_of(unit), self.state[unit.anchor]
             update_moments(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
-            self._descend(unit, state, group)
+            self._descend(unit, state, group, StepKind.FULL)
 
-    def _descend(self, unit: Unit, state: dict, group: dict) -> None:
+    def _descend(self, unit: Unit, state: dict, group: dict, kind: StepKind) -> None:
         """``w -= lr (m / (sqrt(v) + eps) + wd w)`` on the unit's working weights, written back."""
         weights = unit_weights(unit, state)
-        descend(weights, adam_direction(state["exp_avg"], state["exp_avg_sq"], weights, group["eps"], group["weight_decay"]), group["lr"])
+        direction = adam_direction(
+            state["exp_avg"], state["exp_avg_sq"], weights, group["eps"], group["weight_decay"], self._variance_correction(kind, group)
+        )
+        descend(weights, direction, group["lr"])
         write_back(unit, weights)
+
+    def _variance_correction(self, kind: StepKind, group: dict) -> float | None:
+        """``sqrt(1 - beta2^k)`` for the ``k`` updates the variance holds during a step of ``kind``, or None.
+
+        None (DeepSpeed's numerics) without ``variance_bias_correction``. ``k`` counts this step's own update
+        on a FULL step (the moments update before the descent); a frozen variance keeps its last ``k``.
+        """
+        updates = self.schedule.variance_updates + (kind is StepKind.FULL)
+        if not self.config.variance_bias_correction or updates == 0:
+            return None
+        return math.sqrt(1.0 - group["betas"][1] ** updates)
 
     def _compressed_payload(self, kind: StepKind, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         """What ``unit`` sends through the 1-bit all-reduce on a step of ``kind`` (state updated as needed)."""

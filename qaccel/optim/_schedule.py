@@ -138,6 +138,15 @@ class ZeroOneAdamSchedule:
             self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
         return False
 
+    @property
+    def variance_updates(self) -> int:
+        """Variance updates the completed steps made (FULL steps): ``kappa`` per finished interval, plus the counter.
+
+        Intervals double from 1 after every ``kappa`` updates, so ``log2(var_interval)`` intervals are finished.
+        The count stops at the freeze (phase 2 leaves both counters alone).
+        """
+        return self.var_update_scaler * (self.var_interval.bit_length() - 1) + self.var_counter
+
     def state_dict(self) -> dict[str, Any]:
         """Plain dict (ints and strings) for ``weights_only`` checkpoints."""
         data = asdict(self)
@@ -188,6 +197,13 @@ class OneBitAdamSchedule:
             self.phase = Phase.COMPRESSED
             return True
         return False
+
+    @property
+    def variance_updates(self) -> int:
+        """Variance updates the completed steps made: one per warm-up step ``2..step``, frozen after ``max(freeze_step, 2)``."""
+        if self.phase is Phase.COMPRESSED:
+            return max(self.freeze_step, 2) - 1
+        return max(self.step - 1, 0)
 
     @property
     def steps_since_sync(self) -> int:

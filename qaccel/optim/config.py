@@ -77,7 +77,17 @@ class OneBitConfigBase(SettingsMixin):
             "inactive with gradient_clipping, an fp16 GradScaler or accelerator.clip_grad_norm_ (default true)"
         },
     )
-    bias_correction: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (no bias correction is applied)"})
+    variance_bias_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "divide the variance by 1 - beta2^k (k: the variance updates it holds) wherever a step uses it, as Adam "
+            "does, so that a variance frozen after few updates does not make every later step up to 1/sqrt(1 - beta2^k) "
+            "times Adam's; the momentum stays uncorrected; false: DeepSpeed's numerics (default false)"
+        },
+    )
+    bias_correction: bool = field(
+        default=False, metadata={"help": "DeepSpeed compatibility key; only false (see variance_bias_correction for qaccel's own)"}
+    )
     eps_inside_sqrt: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (eps is added outside the sqrt)"})
     amsgrad: bool = field(default=False, metadata={"help": "DeepSpeed compatibility key; only false (AMSGrad is not supported)"})
     max_grad_norm: float = field(default=0.0, metadata={"help": "DeepSpeed compatibility key; only 0 (use gradient_clipping)"})
@@ -112,12 +122,15 @@ class OneBitConfigBase(SettingsMixin):
             self._fail("replica_check_interval", self.replica_check_interval, "must be an int >= 0 (0 disables the check)")
         if not isinstance(self.overlap_comm, bool):
             self._fail("overlap_comm", self.overlap_comm, "must be true or false", SettingTypeError)
+        if not isinstance(self.variance_bias_correction, bool):
+            self._fail("variance_bias_correction", self.variance_bias_correction, "must be true or false", SettingTypeError)
         # DeepSpeed keys that DeepSpeed itself ignores or rejects: accept only the value that is true.
         if self.bias_correction is not False:
             self._fail(
                 "bias_correction",
                 self.bias_correction,
-                "must be False: this optimizer applies no bias correction (DeepSpeed accepts the key and ignores it)",
+                "must be False: DeepSpeed accepts the key and ignores it, so a DeepSpeed config that sets it means no "
+                "bias correction; qaccel's own opt-in is variance_bias_correction",
             )
         if self.eps_inside_sqrt is not False:
             self._fail("eps_inside_sqrt", self.eps_inside_sqrt, "must be False: eps is always added outside the sqrt")
@@ -165,6 +178,19 @@ class OneBitConfigBase(SettingsMixin):
             raise TypeError(f"{cls.__name__}: give config or recipe, not both (a config object is used as given)")
         return dataclasses.replace(config, **arguments) if arguments else config
 
+    @classmethod
+    def from_deepspeed(cls, ds: str | os.PathLike | Mapping[str, Any]) -> OneBitConfigBase:
+        """The config of a DeepSpeed JSON (a path or a dict): ``optimizer.params`` (its ``type`` must be this
+        class's, any case) with the engine's ``gradient_clipping``; warns with the keys it ignores. See
+        :mod:`qaccel.optim.deepspeed_json` and ``docs/from_deepspeed.md``.
+
+        Raises:
+            ValueError: another optimizer type, or a key qaccel cannot honour, naming it and what is allowed.
+        """
+        from .deepspeed_json import optimizer_config_from_deepspeed  # it imports this module
+
+        return optimizer_config_from_deepspeed(cls, ds)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroOneAdamConfig(OneBitConfigBase):
@@ -198,6 +224,12 @@ class ZeroOneAdamConfig(OneBitConfigBase):
             bit-identical either way). Active on CPU (gloo) with a DDP model, and not with
             ``gradient_clipping`` (the global norm is known only after backward), an fp16 ``GradScaler`` or
             ``accelerator.clip_grad_norm_``; read when the DDP hook is registered.
+        variance_bias_correction: divide ``sqrt(v)`` by ``sqrt(1 - beta2^k)``, ``k`` the variance updates ``v``
+            holds, on every step that uses it (default False: DeepSpeed's numerics, bit for bit). Without it a
+            variance frozen after ``k`` updates makes every later step up to ``1/sqrt(1 - beta2^k)`` times
+            Adam's (about 7.9x at k = 16, beta2 = 0.999); ``qaccel train`` refuses settings where that exceeds
+            4x (``docs/zero_one_adam.md``, "Bias correction of the frozen variance"). The momentum keeps
+            DeepSpeed's rule (no correction): it only makes early steps smaller.
         bias_correction, eps_inside_sqrt, amsgrad, max_grad_norm, cuda_aware, comm_backend_name:
             DeepSpeed compatibility keys; only False / False / False / 0 / False / "nccl" are accepted.
 
@@ -242,7 +274,8 @@ class OneBitAdamConfig(OneBitConfigBase):
             freeze the variance and send the momentum through the 1-bit all-reduce (default 100000; the
             DeepSpeed tutorial suggests 15-25% of the run).
         lr, betas, eps, weight_decay, granularity, padding, gradient_clipping, replica_check_interval,
-            overlap_comm and the compatibility keys: as in :class:`ZeroOneAdamConfig`.
+            overlap_comm, variance_bias_correction and the compatibility keys: as in :class:`ZeroOneAdamConfig`
+            (the variance freezes after ``max(freeze_step, 2) - 1`` updates).
 
     Environment and config file: ``QACCEL_ONEBIT_ADAM_<FIELD>`` and the ``onebit_adam`` section.
     """

@@ -27,6 +27,8 @@ class OneBitAdam(OneBitOptimizerBase):
       all-reduced in full precision.
     - later: the variance is frozen; ``m = b1 m + (1-b1) g_local`` goes through the 1-bit error-feedback
       all-reduce every step and ``w -= lr (m / (sqrt(v) + eps) + wd w)``. Replicas stay bit-identical.
+    - ``variance_bias_correction``: ``sqrt(v)`` is divided by ``sqrt(1 - b2^k)`` on every step, ``k`` the
+      variance updates so far (``max(freeze_step, 2) - 1`` once frozen).
 
     Args:
         params: parameters or param groups (``lr``, ``betas``, ``eps``, ``weight_decay``, ``exp_avg_mask``).
@@ -70,4 +72,4 @@ class OneBitAdam(OneBitOptimizerBase):
         mask = unit_mask(unit, group)
         if mask is not None:
             state["exp_avg"].mul_(mask)
-        self._descend(unit, state, group)
+        self._descend(unit, state, group, kind)

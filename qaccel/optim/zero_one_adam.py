@@ -39,6 +39,8 @@ class ZeroOneAdam(OneBitOptimizerBase):
       (``t`` a multiple of an interval doubling every ``local_step_scaler`` steps up to
       ``local_step_clipper``) ``u (sqrt(v) + eps)`` goes through the 1-bit all-reduce, ``m`` becomes the
       lr-weighted mean momentum and every replica restarts from the same synced weights.
+    - ``variance_bias_correction``: every ``sqrt(v)`` above (also in the sync's payload and its inverse) is
+      divided by ``sqrt(1 - b2^k)``, ``k`` the variance updates so far (frozen with the variance).
 
     Where the gradients of a step were all-reduced is decided by :attr:`comm_plan`, which the DDP hook
     reads (:func:`qaccel.optim.register_ddp_comm_hook`; ``qaccel.Accelerator.prepare`` installs it).
@@ -118,7 +120,7 @@ class ZeroOneAdam(OneBitOptimizerBase):
             weights = unit_weights(unit, state)
             local_step(
                 weights, state["momentum_accumulator"], state["exp_avg"], state["exp_avg_sq"],
-                group["lr"], group["eps"], group["weight_decay"],
+                group["lr"], group["eps"], group["weight_decay"], self._variance_correction(StepKind.LOCAL, group),
             )  # fmt: skip
             write_back(unit, weights)
 
@@ -133,11 +135,13 @@ class ZeroOneAdam(OneBitOptimizerBase):
         group, state = self._group_of(unit), self.state[unit.anchor]
         update_momentum(state["exp_avg"], grad, group["betas"][0])
         state["lrs"] += group["lr"]
+        correction = self._variance_correction(kind, group)
         update = local_update(
-            state["exp_avg"], state["exp_avg_sq"], unit_weights(unit, state), group["lr"], group["eps"], group["weight_decay"]
-        )
+            state["exp_avg"], state["exp_avg_sq"], unit_weights(unit, state), group["lr"], group["eps"], group["weight_decay"],
+            correction,
+        )  # fmt: skip
         state["momentum_accumulator"].add_(update)
-        return sync_payload(state["momentum_accumulator"], state["exp_avg_sq"], group["eps"])
+        return sync_payload(state["momentum_accumulator"], state["exp_avg_sq"], group["eps"], correction)
 
     def _apply_averaged(self, kind: StepKind, unit: Unit, averaged: torch.Tensor) -> None:
         group, state = self._group_of(unit), self.state[unit.anchor]
@@ -146,12 +150,12 @@ class ZeroOneAdam(OneBitOptimizerBase):
             averaged.mul_(mask)
         if kind is StepKind.ONEBIT_GRADIENT:
             update_momentum(state["exp_avg"], averaged, group["betas"][0])
-            self._descend(unit, state, group)
+            self._descend(unit, state, group, kind)
             return
         weights = unit_weights(unit, state)
         finish_sync(
             weights, state["synced_weights"], state["exp_avg"], state["exp_avg_sq"],
-            state["momentum_accumulator"], averaged, state["lrs"], group["eps"],
+            state["momentum_accumulator"], averaged, state["lrs"], group["eps"], self._variance_correction(kind, group),
         )  # fmt: skip
         state["lrs"] = 0.0
         write_back(unit, weights)

@@ -14,6 +14,10 @@ from ..fsdp.config import SPEED_ONLY_FIELDS
 
 __all__ = ["check_resume"]
 
+# Method settings added after checkpoints were first written, with the value every older run had: a
+# checkpoint without the key was trained with it (1-bit optimizers: DeepSpeed's uncorrected variance).
+_ADDED_LATER = {"variance_bias_correction": False}
+
 
 def _config_differences(saved: dict, current: dict) -> list[str]:
     # Compared as JSON reads them back: a tuple in a config object equals the list read from disk.
@@ -24,7 +28,7 @@ def _config_differences(saved: dict, current: dict) -> list[str]:
     for key in sorted(set(saved) | set(current)):
         if key in SPEED_ONLY_FIELDS:  # e.g. QSDP prefetch: changes the speed of a step, not its results
             continue
-        before, after = saved.get(key, missing), current.get(key, missing)
+        before, after = saved.get(key, _ADDED_LATER.get(key, missing)), current.get(key, missing)
         if before != after:
             lines.append(f"{key}: checkpoint {show(before)}, this run {show(after)}")
     return lines

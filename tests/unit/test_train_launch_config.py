@@ -21,7 +21,7 @@ def _config_of(command: list[str]) -> str:
 
 
 def _command(tmp_path, *extra: str, launch_config: str | None = None) -> list[str]:
-    args = argparse.Namespace(recipe="gpt2-tiny", launch_config=launch_config, num_processes=None, dry_run=True)
+    args = argparse.Namespace(recipe="gpt2-tiny", launch_config=launch_config, num_processes=None, dry_run=True, allow_uncorrected_variance=False)
     return build_command(args, ["--output_dir", str(tmp_path / "run"), "--max_steps", "2", *extra])
 
 

@@ -131,6 +131,7 @@ def test_world1_onebit_adam_matches_reference():
 FIELD_CHANGES = {
     "lr": 1e-2, "betas": (0.5, 0.9), "eps": 1e-2, "weight_decay": 0.5, "var_freeze_step": 3,
     "var_update_scaler": 3, "local_step_scaler": 5, "local_step_clipper": 2, "gradient_clipping": 1e-3,
+    "variance_bias_correction": True,
 }  # fmt: skip
 REJECTED_ELSEWHERE = {"bias_correction", "eps_inside_sqrt", "amsgrad", "max_grad_norm", "cuda_aware", "comm_backend_name"}
 # act only with N > 1 (tests/dist); overlap_comm changes when the all-reduce runs, never the result

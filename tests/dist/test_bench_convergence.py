@@ -411,7 +411,7 @@ def test_quick_hierarchical_study_runs_on_two_replicas_against_stock_hsdp(tmp_pa
     task = report["tasks"]["gpt2-tiny"]
     assert (task["world_size"], task["replicas"], task["ranks_per_replica"], task["baseline"]) == (4, 2, 2, "hsdp")
     assert task["method_order"] == ["hsdp", "hqsdp-w8g8-r4"]
-    assert "#### gpt2-tiny: 2 steps, 1 seeds, 4 ranks on 2 replicas x 2 ranks" in (tmp_path / "h.md").read_text()
+    assert "#### gpt2-tiny: 2 steps, 1 seed, 4 ranks on 2 replicas x 2 ranks" in (tmp_path / "h.md").read_text()
     inter = {}
     for key, method in task["methods"].items():
         run_dir = runs / "gpt2-tiny" / key / "seed-0"

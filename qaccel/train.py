@@ -71,7 +71,7 @@ from qaccel.training.loaders import build_train_loader
 from qaccel.training.methods import LAUNCH_FROM_ENV
 from qaccel.training.run_checkpoints import RunCheckpointer, push_final_checkpoint, resume_run
 from qaccel.training.run_evaluation import PeriodicEvaluation
-from qaccel.training.run_log import StepLog, StepMeter, describe_run
+from qaccel.training.run_log import StepLog, StepMeter, StepMeterFactory, describe_run
 from qaccel.training.run_settings import TRAINING_FLAGS, RunInputs, TrainingSettings  # noqa: F401 (qaccel.train.TRAINING_FLAGS, as before)
 from qaccel.training.run_setup import build_optimizer_and_scheduler, build_run_accelerator, load_data_and_model
 from qaccel.zoo import Recipe, load_recipe
@@ -270,11 +270,12 @@ def main(argv: list[str] | None = None) -> dict:
     return train(args, check_inputs(args))
 
 
-def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHandler | None = None) -> dict:
+def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHandler | None = None,
+          step_meter: StepMeterFactory = StepMeter) -> dict:  # fmt: skip
     """The training run: set-up, the loop, evaluation, checkpoints, an optional push. Returns the summary.
 
-    ``interrupt`` (installed by :func:`cli`) learns the rank's step and pid file for a Ctrl-C's line and clean-up.
-    """
+    ``interrupt`` (installed by :func:`cli`) learns the rank's step and pid file for a Ctrl-C's line and clean-up;
+    ``step_meter`` builds what measures each step (a harness adds its own readings at the same boundaries)."""
     # Settings: the accelerator of the method's parallelism, the fault reporter, the seed.
     settings, plan = inputs.settings, inputs.plan
     accelerator = build_run_accelerator(args, inputs)
@@ -311,7 +312,7 @@ def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHa
 
     # The loop: one optimizer step per gradient_accumulation_steps batches, until max_steps.
     model.train()
-    meter = StepMeter(accelerator)  # the set-up's bytes do not belong to step 1
+    meter = step_meter(accelerator)  # the set-up's bytes do not belong to step 1
     epoch, skip = train_data.position()
     while run.step < settings.max_steps:
         for batch in train_data.loader(epoch, skip):
@@ -351,13 +352,14 @@ def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHa
     return run.summary()
 
 
-def cli(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None = None, *, step_meter: StepMeterFactory = StepMeter) -> int:
     """``python -m qaccel.train`` (and ``torchrun``/``accelerate launch`` of it): exit status 2 on bad input.
 
     Bad input is one line on stderr, from the main process only (every rank checks, one speaks), with
     no traceback unless ``QACCEL_DEBUG=1``; the launcher's own summary follows. Errors once training
     has started are real failures and keep their tracebacks. Ctrl-C: exit status 130 on every rank,
     one line from the main process (step, last complete checkpoint, how to resume), no traceback.
+    ``step_meter``: as in :func:`train`.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     with InterruptHandler(is_main=int(os.environ.get("RANK", "0")) == 0, argv=argv) as interrupt:
@@ -373,7 +375,7 @@ def cli(argv: list[str] | None = None) -> int:
                 time.sleep(BAD_INPUT_GRACE_S)
             return USAGE_EXIT_CODE
         interrupt.output_dir = inputs.output_dir
-        train(args, inputs, interrupt=interrupt)
+        train(args, inputs, interrupt=interrupt, step_meter=step_meter)
     return 0
 
 

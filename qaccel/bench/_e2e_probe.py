@@ -14,13 +14,17 @@ ranks' wire bytes; nothing here trains, times or counts collectives of its own.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..training.run_log import RunProgress, StepMeter
+
+if TYPE_CHECKING:
+    from ..integration import Accelerator
 
 __all__ = ["PROBE_FILE", "main", "read_counters"]
 
@@ -37,10 +41,14 @@ def read_counters(paths: dict[str, str]) -> dict[str, int]:
 
 
 class CountedStepMeter(StepMeter):
-    """The loop's :class:`StepMeter`, with this node's counters read at its two boundaries (first rank of a node)."""
+    """The loop's :class:`StepMeter`, with this node's counters read at its two boundaries (first rank of a node).
 
-    counters: dict[str, str] = {}  # this node's counter paths; empty on the other ranks
-    out: Path | None = None  # this rank's probe file
+    ``counters``: this node's counter paths (empty on the node's other ranks); ``out``: this rank's probe file.
+    """
+
+    def __init__(self, accelerator: Accelerator, *, counters: dict[str, str], out: Path) -> None:
+        self.counters, self.out = counters, out  # before StepMeter's __init__, whose restart reads the counters
+        super().__init__(accelerator)
 
     def restart(self) -> None:
         self.before = read_counters(self.counters)
@@ -68,12 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     group_rank = os.environ.get("GROUP_RANK")  # torchrun's node rank: ranks must be numbered node by node
     if group_rank is not None and int(group_rank) != node:
         raise RuntimeError(f"rank {rank} runs on node {group_rank}, expected node {node} (rank // nproc_per_node)")
-    CountedStepMeter.counters = spec["node_counters"][node] if rank % nproc_per_node == 0 else {}
-    CountedStepMeter.out = Path(spec["output_dir"]) / PROBE_FILE.format(rank=rank)
+    counted = functools.partial(
+        CountedStepMeter,
+        counters=spec["node_counters"][node] if rank % nproc_per_node == 0 else {},
+        out=Path(spec["output_dir"]) / PROBE_FILE.format(rank=rank),
+    )
     from .. import train as entry
 
-    entry.StepMeter = CountedStepMeter  # the one name the loop looks up to measure a step
-    return entry.cli(train_argv)
+    return entry.cli(train_argv, step_meter=counted)  # the loop's own meter, with the counters read at its boundaries
 
 
 if __name__ == "__main__":

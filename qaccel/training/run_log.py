@@ -8,6 +8,7 @@ prints is :func:`describe_run`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from ..integration import Accelerator
     from .run_settings import RunInputs
 
-__all__ = ["RunProgress", "StepLog", "StepMeter", "describe_run", "hierarchy_note"]
+__all__ = ["RunProgress", "StepLog", "StepMeter", "StepMeterFactory", "describe_run", "hierarchy_note"]
 
 
 @dataclass
@@ -54,15 +55,16 @@ class StepMeter:
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
+        # Built after prepare: a 1-bit optimizer's schedule decides the kind of each step before it, from its state alone.
+        optimizers = accelerator.onebit_wiring.optimizers()
+        self.schedule = optimizers[0].schedule if optimizers else None
         accelerator.wire_meter.end_step()
         self.restart()
 
     def restart(self) -> None:
         """Start the next step: no losses yet, its kind, the clock at zero."""
         self.losses: list[torch.Tensor] = []
-        # A 1-bit optimizer's schedule decides the kind of a step before it, from its state alone.
-        optimizers = self.accelerator.onebit_wiring.optimizers()
-        self.step_kind = optimizers[0].schedule.next_kind().value if optimizers else None
+        self.step_kind = self.schedule.next_kind().value if self.schedule is not None else None
         self.start = time.perf_counter()
 
     def add(self, loss: torch.Tensor) -> None:
@@ -93,6 +95,10 @@ class StepMeter:
     def end_evaluation(self) -> int:
         """The bytes of the evaluation just run (FSDP2 gathers weights in it), kept out of the next training step."""
         return sum(t.sent_bytes for t in self.accelerator.wire_meter.end_step().values())
+
+
+StepMeterFactory = Callable[["Accelerator"], StepMeter]
+"""What :func:`qaccel.train.train` calls to build its step meter (:class:`StepMeter` itself, or a harness's subclass)."""
 
 
 class StepLog:

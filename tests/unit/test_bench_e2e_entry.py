@@ -129,19 +129,19 @@ def test_read_run_sums_the_nodes_counters_and_splits_the_meter_by_level(tmp_path
     assert flat["steps"][1]["meter_by_level_per_rank"] == [{"intra_node": 0, "inter_node": 100}] * 4
 
 
-def test_the_probe_replaces_the_entrys_step_meter_only(monkeypatch, tmp_path):
+def test_the_probe_hands_the_entry_its_counted_step_meter(monkeypatch, tmp_path):
     from qaccel.training.run_log import StepMeter
 
-    assert issubclass(CountedStepMeter, StepMeter) and entry.StepMeter is StepMeter
+    assert issubclass(CountedStepMeter, StepMeter)
     calls = []
-    monkeypatch.setattr(entry, "cli", lambda argv: calls.append((argv, entry.StepMeter)) or 0)
+    monkeypatch.setattr(entry, "cli", lambda argv, *, step_meter: calls.append((argv, step_meter)) or 0)
     monkeypatch.setenv("RANK", "3")
     spec = tmp_path / "probe.json"
     spec.write_text(json.dumps({"nproc_per_node": 2, "node_counters": [{"lo": "a"}, {"lo": "b"}], "output_dir": str(tmp_path)}))
     from qaccel.bench import _e2e_probe
 
-    monkeypatch.setattr(entry, "StepMeter", StepMeter)  # restored after the test
     assert _e2e_probe.main([str(spec), "--", "--recipe", "x"]) == 0
-    assert calls == [(["--recipe", "x"], CountedStepMeter)]
+    [(argv, meter)] = calls
+    assert argv == ["--recipe", "x"] and meter.func is CountedStepMeter
     # rank 3 is the second rank of node 1: it reads no counters, and writes its own probe file
-    assert CountedStepMeter.counters == {} and CountedStepMeter.out == Path(tmp_path) / "probe.rank3.jsonl"
+    assert meter.keywords == {"counters": {}, "out": Path(tmp_path) / "probe.rank3.jsonl"}

@@ -54,7 +54,6 @@ from qaccel.training import (
     FaultReporter,
     TrainingGuards,
     check_resume,
-    meter_stock_ddp,
     plan_method,
     process_group_timeout,
     replica_check_interval,
@@ -293,8 +292,7 @@ def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHa
     optimizer, scheduler = build_optimizer_and_scheduler(accelerator, plan, model, settings)
     check_comm_options_for_model(plan.comm, model)  # PowerSGD's one bucket on gloo, before prepare's collectives
     model, optimizer, eval_loader, scheduler = train_data.prepare(model, optimizer, eval_loader, scheduler)
-    install_comm_options(accelerator, model, plan.comm)  # --ddp_comm_hook, --fsdp_reduce_scatter
-    meter_stock_ddp(accelerator, model, plan)  # a stock DDP baseline's bytes are counted too
+    install_comm_options(accelerator, model, plan.comm, stock_ddp=plan.is_stock_ddp)  # DDP's hook (metered), FSDP2's reduce-scatter
     evaluation = PeriodicEvaluation.for_run(accelerator, inputs, model, eval_loader, data.label_names)
 
     # Checkpoints and logging: continue where a checkpoint stopped.

@@ -149,20 +149,29 @@ def check_comm_options_for_model(options: CommOptions, model: torch.nn.Module) -
         )
 
 
-def install_comm_options(accelerator: Any, model: torch.nn.Module, options: CommOptions) -> str | None:
+def install_comm_options(accelerator: Any, model: torch.nn.Module, options: CommOptions, *, stock_ddp: bool = False) -> str | None:
     """After ``prepare``: register the DDP hook or install the all-to-all reduce-scatter; returns what was installed.
 
-    Nothing with one process: Accelerate wraps no DDP then and nothing is communicated.
+    ``stock_ddp`` (a plain DDP run with AdamW, ``MethodPlan.is_stock_ddp``): without ``--ddp_comm_hook`` its
+    stock all-reduce is metered (:func:`qaccel.comm.metered_allreduce_hook`, numerics unchanged); the 1-bit
+    optimizers register hooks of their own. Nothing with one process: Accelerate wraps no DDP then and
+    nothing is communicated.
     """
     from torch.nn.parallel import DistributedDataParallel
 
     meter = accelerator.wire_meter
-    if options.ddp_comm_hook != "none" and isinstance(model, DistributedDataParallel):
+    if isinstance(model, DistributedDataParallel):
         if options.ddp_comm_hook == "powersgd":
             model.register_comm_hook(*_metered_powersgd(meter, options))
-        else:
+            return "ddp hook powersgd"
+        if options.ddp_comm_hook == "bf16":
             model.register_comm_hook(None, _metered_bf16(meter))
-        return f"ddp hook {options.ddp_comm_hook}"
+            return "ddp hook bf16"
+        if stock_ddp:
+            from ..comm import metered_allreduce_hook
+
+            model.register_comm_hook(None, metered_allreduce_hook(meter))
+            return "ddp hook metered all-reduce"
     handle = accelerator.qsdp
     if options.fsdp_reduce_scatter == "alltoall" and handle is not None and handle.world_size > 1:
         for unit, installed in zip(handle.units, handle.reduce_scatters, strict=True):

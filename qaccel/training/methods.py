@@ -23,7 +23,7 @@ from .._settings import env_flag
 from ..fsdp import QSDPConfig
 from ..optim import OneBitAdam, ZeroOneAdam
 from ..optim.config import OneBitAdamConfig, ZeroOneAdamConfig
-from .comm_options import CommOptions
+from .comm_options import CommOptions, install_comm_options
 from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S, process_group_timeout
 
 __all__ = [
@@ -56,6 +56,11 @@ class MethodPlan:
 
     def __post_init__(self) -> None:
         self.comm.check_plan(self.method, self.parallelism, self.qsdp)  # an option the run cannot honour is refused
+
+    @property
+    def is_stock_ddp(self) -> bool:
+        """Plain DDP with AdamW (``none`` on DDP): its all-reduce is metered where no hook compresses it."""
+        return self.method == "none" and self.parallelism == "ddp"
 
     def config_dict(self) -> dict[str, Any]:
         """The method's full config as JSON-able values (recorded in checkpoints and metrics)."""
@@ -297,16 +302,11 @@ def build_optimizer(plan: MethodPlan, model: torch.nn.Module, *, learning_rate: 
 def meter_stock_ddp(accelerator: Any, model: torch.nn.Module, plan: MethodPlan) -> bool:
     """Count a stock DDP run's all-reduce bytes in the wire meter (numerics unchanged).
 
-    Only for ``none`` on DDP without ``--ddp_comm_hook`` (those hooks meter themselves,
-    :mod:`qaccel.training.comm_options`): the 1-bit optimizers install their own hook, and FSDP2 runs
-    count through QSDP's pass-through comms. Returns whether a hook was installed (not with one
-    process, where Accelerate does not wrap the model in DDP and nothing is communicated).
+    Only for ``none`` on DDP without ``--ddp_comm_hook`` (those hooks meter themselves): the 1-bit
+    optimizers install their own hook, and FSDP2 runs count through QSDP's pass-through comms. Returns
+    whether a hook was installed (not with one process, where Accelerate does not wrap the model in DDP).
+    The training entry installs it with its other options, through :func:`install_comm_options`.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ..comm import metered_allreduce_hook
-
-    if plan.method != "none" or plan.parallelism != "ddp" or plan.comm.ddp_comm_hook != "none" or not isinstance(model, DistributedDataParallel):
+    if plan.comm.ddp_comm_hook != "none":
         return False
-    model.register_comm_hook(None, metered_allreduce_hook(accelerator.wire_meter))
-    return True
+    return install_comm_options(accelerator, model, CommOptions(), stock_ddp=plan.is_stock_ddp) is not None

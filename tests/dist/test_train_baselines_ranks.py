@@ -34,12 +34,12 @@ def _hooks_worker(rank: int, world: int) -> dict:
     from tests._collectives import CollectiveRecorder
 
     out: dict = {}
-    for hook in ("powersgd", "bf16"):
+    for hook in ("powersgd", "bf16", "none"):  # none: a stock DDP run (--method none), its all-reduce metered
         options = CommOptions(ddp_comm_hook=hook, ddp_bucket_cap_mb=1.0, powersgd_start_iter=2)
         model = DistributedDataParallel(_mlp(), bucket_cap_mb=1.0)  # one bucket, as on gloo PowerSGD needs
         accelerator = SimpleNamespace(wire_meter=WireMeter(), qsdp=None)
-        installed = install_comm_options(accelerator, model, options)
-        reference = DistributedDataParallel(_mlp(), bucket_cap_mb=1.0)
+        installed = install_comm_options(accelerator, model, options, stock_ddp=True)
+        reference = DistributedDataParallel(_mlp(), bucket_cap_mb=1.0)  # no hook: DDP's own all-reduce
         if hook == "powersgd":  # what Accelerate registers for DistributedDataParallelKwargs(comm_hook=POWER_SGD)
             kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.POWER_SGD, comm_state_option={"start_powerSGD_iter": 2})
             kwargs.register_comm_hook(reference)
@@ -53,7 +53,7 @@ def _hooks_worker(rank: int, world: int) -> dict:
             recorded = sum(call.sent_bytes for call in recorder.take() if call.family == "all_reduce")
             record = {"meter": {k: t.sent_bytes for k, t in meter.items()}, "recorded": recorded}
             got = [p.grad.clone() for p in model.parameters()]
-            if hook == "powersgd":
+            if hook in ("powersgd", "none"):
                 reference(_batch(step, rank)).square().mean().backward()
                 record["equal"] = all(torch.equal(a, p.grad) for a, p in zip(got, reference.parameters(), strict=True))
             else:
@@ -71,7 +71,7 @@ def _hooks_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_powersgd_and_bf16_hooks_train_as_torchs_and_meter_their_bytes(tmp_path):
+def test_powersgd_bf16_and_stock_hooks_train_as_torchs_and_meter_their_bytes(tmp_path):
     params = sum(p.numel() for p in _mlp().parameters())  # 32*64 + 64 + 64*16 + 16 = 3152
     compressed = (64 + 32) + 64 + (16 + 64) + 16  # rank-1 P and Q of each matrix, the biases whole
     for result in run_ranks(_hooks_worker, 2, tmp_path, timeout_s=120):
@@ -85,6 +85,10 @@ def test_powersgd_and_bf16_hooks_train_as_torchs_and_meter_their_bytes(tmp_path)
         # bf16: the bucket cast to bf16, divided by the world, summed in bf16, cast back
         assert all(step["equal"] for step in bf16["steps"])
         assert all(step["meter"] == {"ddp.bf16_all_reduce": 2 * params} == {"ddp.bf16_all_reduce": step["recorded"]} for step in bf16["steps"])
+        # no hook asked on a stock run: DDP's gradients bit for bit, the fp32 bucket's ring all-reduce metered
+        stock = result["none"]
+        assert stock["installed"] == "ddp hook metered all-reduce" and all(step["equal"] for step in stock["steps"])
+        assert all(step["meter"] == {"ddp.all_reduce": 4 * params} == {"ddp.all_reduce": step["recorded"]} for step in stock["steps"])
 
 
 def _alltoall_worker(rank: int, world: int) -> dict:

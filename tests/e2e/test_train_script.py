@@ -9,11 +9,10 @@ uninterrupted run for resume.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from tests._launch import QSDP_CONFIG, REPO, launch, metrics, run_job, torchrun
+from tests._launch import QSDP_CONFIG, REPO, launch, metrics, torchrun
 
 REQUIRED = {"step", "loss", "learning_rate", "wire_bytes", "wire_bytes_total", "step_seconds"}
 GPT2_QSDP = ["--recipe", "gpt2-tiny", "--eval_steps", "3", "--save_steps", "3"]  # W8G8: the recipe's bits
@@ -124,10 +123,11 @@ def test_one_bit_optimizer_under_a_1d_fsdp_launch_config_fails_fast_with_the_fix
 
 
 @pytest.mark.parametrize("recipe, config", [("gpt2-tiny", "cpu_2proc_qsdp.yaml"), ("bert-tiny", "cpu_2proc_ddp.yaml")])
-def test_qaccel_train_dry_run_uses_the_recipe_launch_config(recipe, config):
-    cmd = [sys.executable, "-m", "qaccel.cli", "train", "--recipe", recipe, "--dry_run", "--output_dir", "runs/x", "--max_steps", "5"]
-    proc = run_job(cmd, check=False, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    line = proc.stderr.strip().splitlines()[-1]
+def test_qaccel_train_dry_run_uses_the_recipe_launch_config(recipe, config, capsys):
+    from qaccel.cli import main
+
+    status, err = main(["train", "--recipe", recipe, "--dry_run", "--output_dir", "runs/x", "--max_steps", "5"]), capsys.readouterr().err
+    assert status == 0, err
+    line = err.strip().splitlines()[-1]
     assert f"--config_file {REPO / 'launch_configs' / config}" in line
     assert line.endswith(f"-m qaccel.train --recipe {recipe} --output_dir runs/x --max_steps 5")

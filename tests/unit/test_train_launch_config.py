@@ -7,12 +7,10 @@ returns the command line after the same checks every rank makes.
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from qaccel._resources import launch_config_path, launch_configs_dir
-from qaccel.commands.train import build_command
+from qaccel.commands.train import build_command, launcher_args
 from qaccel.training.methods import launch_config_for_method
 
 
@@ -21,7 +19,7 @@ def _config_of(command: list[str]) -> str:
 
 
 def _command(tmp_path, *extra: str, launch_config: str | None = None) -> list[str]:
-    args = argparse.Namespace(recipe="gpt2-tiny", launch_config=launch_config, num_processes=None, dry_run=True, allow_uncorrected_variance=False)
+    args = launcher_args(recipe="gpt2-tiny", launch_config=launch_config, dry_run=True)
     return build_command(args, ["--output_dir", str(tmp_path / "run"), "--max_steps", "2", *extra])
 
 

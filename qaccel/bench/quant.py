@@ -13,6 +13,8 @@ writes ``bits*n/8`` plus metadata; dequantize the reverse; a copy reads and writ
 ``gvalues_per_s`` counts input values. Ratios compare a backend's round trip with the reference and
 with the copy at the same thread count. The reference is slow and memory hungry (int64/fp64
 temporaries), so it runs on ``--reference_numel`` values; its throughput barely depends on size.
+The 1-bit codec's own time (``onebit`` per setting: worker and server side, fused ops against the unfused
+sequence, ns per value) is measured on the same tensors (:mod:`qaccel.bench._quant_onebit`).
 Timings are the median of ``--repeats`` runs after one warm-up. Quantize returns new tensors, so
 its figure includes first-touch page faults of the code buffer; ``copy.clone_gbps`` shows what
 allocation costs a plain copy on the same machine (``THP_MEM_ALLOC_ENABLE=1`` lets torch back large
@@ -30,6 +32,7 @@ import time
 import torch
 
 from ..quant import _backend, reference
+from . import _quant_onebit
 from ._figures import headless_pyplot, png_path, save_figure
 from ._quant_inputs import QuantInputError, parse_bits, parse_int_list
 
@@ -136,6 +139,7 @@ def _measure_setting(device: torch.device, args: argparse.Namespace, bits_list: 
             logger.info("bench quant: %s %s bits=%d numel=%d", device, name, bits, sample.numel())
             rows.append(_measure_backend(kernels, sample, bits, args.bucket_size, repeats))
         setting["backends"][name] = rows
+        setting.setdefault("onebit", {})[name] = _quant_onebit.measure(kernels, sample, repeats, _median_seconds)
     _add_ratios(setting)
     return setting
 

@@ -21,8 +21,10 @@ Two deliberate transport differences from DeepSpeed, with identical numerics and
   scales and error buffers (DeepSpeed's per-tensor fp32 numerics), but a whole optimizer step costs one
   all-to-all and one all-gather instead of four collectives per tensor.
 
-The codec maths is :func:`qaccel.quant.sign_compress` / :func:`qaccel.quant.sign_decompress`; this module
-only lays out, moves and records bytes. :func:`onebit_layout` is the single place that decides padding.
+The codec maths is :func:`qaccel.quant.onebit_encode` (step 1) and :func:`qaccel.quant.onebit_server`
+(step 3), fused error-feedback ops bit-identical to the ``sign_compress`` / ``sign_decompress`` sequence
+they replace, and :func:`qaccel.quant.sign_decompress` (step 4); this module only lays out, moves and
+records bytes. :func:`onebit_layout` is the single place that decides padding.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch_internals import all_gather_single
-from ..quant import SignCompressed, sign_compress, sign_decompress
+from ..quant import SignCompressed, onebit_encode, onebit_server, sign_decompress
 from ._accounting import WireMeter, default_meter
 
 __all__ = [
@@ -260,13 +262,9 @@ def start_compressed_allreduce(
     worker_scales = torch.empty(num_live, dtype=torch.float32, device=device)
     for slot, (k, offset) in enumerate(zip(live, offsets, strict=True)):
         layout = layouts[k]
-        compensated = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-        compensated[: layout.numel] = tensors[k].reshape(-1)
-        compensated.add_(worker_errors[k])
-        packed = sign_compress(compensated)
-        worker_errors[k].copy_(compensated - sign_decompress(packed))
-        send[:, offset : offset + layout.chunk_sign_bytes] = packed.signs.view(world_size, layout.chunk_sign_bytes)
-        worker_scales[slot] = packed.scales[0]
+        signs, scales = onebit_encode(tensors[k], worker_errors[k])  # one scale: s_w of the whole tensor
+        send[:, offset : offset + layout.chunk_sign_bytes] = signs.view(world_size, layout.chunk_sign_bytes)
+        worker_scales[slot] = scales[0]
     send[:, :scale_bytes] = worker_scales.view(torch.uint8)
     live_layouts = [layouts[k] for k in live]
     live_server_errors = [server_errors[k] for k in live]
@@ -311,21 +309,11 @@ class PendingCompressedAllReduce:
         server_row = torch.empty(row_bytes, dtype=torch.uint8, device=device)
         server_scales = torch.empty(num_live, dtype=torch.float32, device=device)
         for slot, (layout, server_error, offset) in enumerate(slots):
-            chunk_bytes, server_numel = layout.chunk_sign_bytes, layout.server_numel
-            worker_chunks = SignCompressed(
-                signs=recv[:, offset : offset + chunk_bytes].contiguous().view(-1),
-                # (s_w / N) first, then times +-1: the order of DeepSpeed's server average
-                scales=received_scales[:, slot] * (1 / world_size),
-                numel=world_size * server_numel,
-                chunks=world_size,
-                shape=torch.Size((world_size, server_numel)),
-            )
-            averaged = sign_decompress(worker_chunks).sum(0)  # (world, server_numel) -> (server_numel,)
-            averaged.add_(server_error)
-            packed = sign_compress(averaged)
-            server_error.copy_(averaged - sign_decompress(packed))
-            server_row[offset : offset + chunk_bytes] = packed.signs
-            server_scales[slot] = packed.scales[0]
+            chunk_bytes = layout.chunk_sign_bytes
+            # decodes with (s_w / N) * (+-1) (DeepSpeed's order), sums over ranks, adds the server error
+            signs, scales = onebit_server(recv[:, offset : offset + chunk_bytes], received_scales[:, slot], server_error)
+            server_row[offset : offset + chunk_bytes] = signs
+            server_scales[slot] = scales[0]
         server_row[:scale_bytes] = server_scales.view(torch.uint8)
 
         # Phase 2: everyone gathers every server chunk and decodes the same bytes.

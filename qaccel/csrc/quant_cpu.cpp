@@ -36,6 +36,7 @@
 #include "quant_checks.h"
 #include "quant_common.h"
 #include "quant_cpu_avx512.h"
+#include "quant_onebit.h"
 #include "quant_ops.h"
 #include "quant_payload.h"
 
@@ -989,6 +990,75 @@ void sum_payloads(const at::Tensor& blob, const at::Tensor& table, const at::Ten
   }
 }
 
+// ---- fused 1-bit error feedback (reference.onebit_encode / onebit_server; quant_onebit.h) ---------
+//
+// One pass to compensate, the scale as torch's norm, one pass to sign + pack + update the error.
+
+// Packs `values >= 0` (MSB first, each chunk padded to whole bytes) and overwrites each value with
+// `value - (+-1) * scale`, the error the reference computes as values - sign_unpack(...).
+void onebit_sign_error(float* values, const float* scales, int64_t chunks, int64_t chunk_numel, uint8_t* out) {
+  const int64_t chunk_bytes = (chunk_numel + 7) / 8;
+  at::parallel_for(0, chunks * chunk_bytes, kTileNumel / 8, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t chunk = k / chunk_bytes, first = (k % chunk_bytes) * 8;
+      const int64_t count = std::min<int64_t>(8, chunk_numel - first);
+      const float chunk_scale = scales[chunk];
+      float* v = values + chunk * chunk_numel + first;
+      uint32_t byte = 0;
+      for (int64_t j = 0; j < count; ++j) {
+        const uint32_t bit = v[j] >= 0.0f;  // NaN compares false -> bit 0
+        byte |= bit << (7 - j);
+        // (+-1) * scale as sign_unpack multiplies it (negating would flip a NaN scale's sign), then the
+        // difference: the reference's two fp32 roundings.
+        const float decoded = static_cast<float>(2 * static_cast<int>(bit) - 1) * chunk_scale;
+        v[j] = v[j] - decoded;
+      }
+      out[k] = static_cast<uint8_t>(byte);
+    }
+  });
+}
+
+// The compensated values are in `error`: compress them and leave the new error there.
+std::tuple<at::Tensor, at::Tensor> onebit_compress_error(at::Tensor& error, int64_t chunks) {
+  const int64_t chunk_numel = error.numel() / chunks;
+  const auto scales = qaccel::onebit_chunk_rms(error, chunks);
+  auto signs = at::empty({chunks * ((chunk_numel + 7) / 8)}, error.options().dtype(at::kByte));
+  onebit_sign_error(error.data_ptr<float>(), scales.data_ptr<float>(), chunks, chunk_numel, signs.data_ptr<uint8_t>());
+  return {signs, scales};
+}
+
+template <typename T>
+void onebit_compensate(const T* x, int64_t numel, float* error, int64_t padded) {
+  at::parallel_for(0, padded, kTileNumel, [&](int64_t i0, int64_t i1) {
+    const int64_t split = std::clamp(numel, i0, i1);  // two branch-free loops the compiler vectorizes
+    for (int64_t i = i0; i < split; ++i) error[i] = load_f32(x, i) + error[i];
+    for (int64_t i = split; i < i1; ++i) error[i] = 0.0f + error[i];  // the zero padding, added as the reference adds it
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> onebit_encode(const at::Tensor& x, at::Tensor error, int64_t chunks) {
+  check_cpu_contiguous(x, "x");
+  check_float_dtype(x, "x");
+  qaccel::check_onebit_encode_args(x, error, chunks);
+  float* e = error.data_ptr<float>();
+  switch (x.scalar_type()) {
+    case at::kFloat: onebit_compensate(x.data_ptr<float>(), x.numel(), e, error.numel()); break;
+    case at::kBFloat16: onebit_compensate(x.data_ptr<c10::BFloat16>(), x.numel(), e, error.numel()); break;
+    default: onebit_compensate(x.data_ptr<c10::Half>(), x.numel(), e, error.numel());
+  }
+  return onebit_compress_error(error, chunks);
+}
+
+std::tuple<at::Tensor, at::Tensor> onebit_server(const at::Tensor& signs, const at::Tensor& scales, at::Tensor error,
+                                                 int64_t chunks) {
+  check_cpu_contiguous(error, "error");
+  const auto averaged_scales = qaccel::onebit_server_scales(signs, scales, error, chunks);
+  const int64_t world = scales.numel(), numel = error.numel();
+  auto decoded = at::empty({world, numel}, error.options());
+  sign_unpack(signs, averaged_scales, world * numel, decoded.view({-1}));
+  qaccel::onebit_add_server_sum(decoded, error);
+  return onebit_compress_error(error, chunks);
+}
 }  // namespace
 
 // Kernels for CPU tensors of the ops declared in qaccel/quant/_ops.py.

@@ -278,6 +278,41 @@ __global__ void __launch_bounds__(kThreads) sign_unpack_kernel(const uint8_t* __
   }
 }
 
+// ---- fused 1-bit error feedback: the element-wise passes (the reductions stay torch's) ----------
+
+template <typename Tag>
+__global__ void __launch_bounds__(kThreads) onebit_compensate_kernel(const typename Tag::T* __restrict__ x,
+                                                                     int64_t numel, float* __restrict__ error,
+                                                                     int64_t padded) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < padded; i += stride)
+    error[i] = (i < numel ? Tag::load(x, i) : 0.0f) + error[i];  // pad(x) + error, as the reference adds
+}
+
+// One byte per thread: packs `values >= 0` and leaves `value - (+-1) * scale` in place.
+__global__ void __launch_bounds__(kThreads) onebit_sign_error_kernel(float* __restrict__ values,
+                                                                     const float* __restrict__ scales,
+                                                                     int64_t chunk_numel, int64_t chunk_bytes,
+                                                                     int64_t total_bytes, uint8_t* __restrict__ out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total_bytes; k += stride) {
+    const int64_t chunk = k / chunk_bytes, first = (k - chunk * chunk_bytes) * 8;
+    const float chunk_scale = scales[chunk];
+    float* v = values + chunk * chunk_numel + first;
+    uint32_t byte = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (first + j < chunk_numel) {
+        const uint32_t bit = v[j] >= 0.0f;  // NaN compares false -> bit 0
+        byte |= bit << (7 - j);
+        // (+-1) * scale as sign_unpack_kernel multiplies it, then the difference (two fp32 roundings)
+        v[j] = v[j] - static_cast<float>(2 * static_cast<int>(bit) - 1) * chunk_scale;
+      }
+    }
+    out[k] = static_cast<uint8_t>(byte);
+  }
+}
+
 template <typename Tag>
 cudaError_t quantize_typed(const void* x_raw, int64_t numel, int bits, int64_t bucket, bool nearest, uint64_t seed,
                            bool meta_bf16, void* lo, void* scale, uint8_t* codes, double* workspace,
@@ -933,6 +968,34 @@ cudaError_t sign_unpack(const uint8_t* signs, const float* scales, int64_t chunk
   if (total <= 0) return cudaSuccess;
   sign_unpack_kernel<<<grid_for(total, kThreads), kThreads, 0, stream>>>(signs, scales, chunk_numel, chunk_bytes,
                                                                          total, out);
+  return cudaGetLastError();
+}
+
+cudaError_t onebit_compensate(const void* x, Dtype dtype, int64_t numel, float* error, int64_t padded,
+                              cudaStream_t stream) {
+  if (padded <= 0) return cudaSuccess;
+  const unsigned blocks = grid_for(padded, kThreads);
+  switch (dtype) {
+    case Dtype::kFloat32:
+      onebit_compensate_kernel<F32><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x), numel, error, padded);
+      break;
+    case Dtype::kBFloat16:
+      onebit_compensate_kernel<BF16><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(x), numel, error,
+                                                                      padded);
+      break;
+    default:
+      onebit_compensate_kernel<F16><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(x), numel, error,
+                                                                     padded);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t onebit_sign_error(float* values, const float* scales, int64_t chunks, int64_t chunk_numel, uint8_t* out,
+                              cudaStream_t stream) {
+  const int64_t chunk_bytes = (chunk_numel + 7) / 8, total = chunks * chunk_bytes;
+  if (total <= 0) return cudaSuccess;
+  onebit_sign_error_kernel<<<grid_for(total, kThreads), kThreads, 0, stream>>>(values, scales, chunk_numel,
+                                                                               chunk_bytes, total, out);
   return cudaGetLastError();
 }
 

@@ -30,6 +30,15 @@ cudaError_t sign_pack(const void* x, Dtype dtype, int64_t chunks, int64_t chunk_
 cudaError_t sign_unpack(const uint8_t* signs, const float* scales, int64_t chunks, int64_t chunk_numel, float* out,
                         cudaStream_t stream);
 
+// Fused 1-bit error feedback (reference.onebit_encode / onebit_server), the element-wise passes:
+// error = pad(x) + error over `padded` elements; then, once the scales are known, pack `values >= 0`
+// per chunk and leave `value - (+-1) * scale` in `values`.
+cudaError_t onebit_compensate(const void* x, Dtype dtype, int64_t numel, float* error, int64_t padded,
+                              cudaStream_t stream);
+
+cudaError_t onebit_sign_error(float* values, const float* scales, int64_t chunks, int64_t chunk_numel, uint8_t* out,
+                              cudaStream_t stream);
+
 // Longest Hadamard rotation block the kernels hold in shared memory (ROTATION_MAX_BLOCK of
 // qaccel/quant/_types.py); a rotated table must not ask for more.
 constexpr int64_t kMaxRotationBlock = 1024;

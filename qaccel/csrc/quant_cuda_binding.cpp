@@ -15,6 +15,7 @@
 
 #include "quant_checks.h"
 #include "quant_cuda.h"
+#include "quant_onebit.h"
 #include "quant_ops.h"
 #include "quant_payload.h"
 
@@ -244,6 +245,47 @@ void sum_payloads(const at::Tensor& blob, const at::Tensor& host_table, const at
   check_launch(qaccel_cuda::sum_payloads(blob.data_ptr<uint8_t>(), p, device_rows(device_table), seed_table, slots,
                                          base.data_ptr(), base_dtype, out.data_ptr(), out_dtype, call.stream),
                "sum_payloads");
+}
+
+// ---- fused 1-bit error feedback (reference.onebit_encode / onebit_server; quant_onebit.h) ---------
+
+// The compensated values are in `error`: torch's norm for the scales, then one launch packs the signs
+// and leaves the new error in place.
+std::tuple<at::Tensor, at::Tensor> onebit_compress_error(at::Tensor& error, int64_t chunks, const CudaCall& call) {
+  const int64_t chunk_numel = error.numel() / chunks;
+  const auto scales = qaccel::onebit_chunk_rms(error, chunks);
+  auto signs = at::empty({chunks * ((chunk_numel + 7) / 8)}, error.options().dtype(at::kByte));
+  check_launch(qaccel_cuda::onebit_sign_error(error.data_ptr<float>(), scales.data_ptr<float>(), chunks, chunk_numel,
+                                              signs.data_ptr<uint8_t>(), call.stream),
+               "onebit_sign_error");
+  return {signs, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> onebit_encode(const at::Tensor& x, at::Tensor error, int64_t chunks) {
+  check_cuda(x, "x");
+  check_cuda(error, "error");
+  const Dtype dtype = float_dtype(x, "x");
+  qaccel::check_onebit_encode_args(x, error, chunks);
+  const CudaCall call(error);
+  check_launch(qaccel_cuda::onebit_compensate(x.data_ptr(), dtype, x.numel(), error.data_ptr<float>(), error.numel(),
+                                              call.stream),
+               "onebit_compensate");
+  return onebit_compress_error(error, chunks, call);
+}
+
+std::tuple<at::Tensor, at::Tensor> onebit_server(const at::Tensor& signs, const at::Tensor& scales, at::Tensor error,
+                                                 int64_t chunks) {
+  check_cuda(signs, "signs");
+  check_cuda(error, "error");
+  const auto averaged_scales = qaccel::onebit_server_scales(signs, scales, error, chunks);
+  const CudaCall call(error);
+  const int64_t world = scales.numel(), numel = error.numel();
+  auto decoded = at::empty({world, numel}, error.options());
+  check_launch(qaccel_cuda::sign_unpack(signs.data_ptr<uint8_t>(), averaged_scales.data_ptr<float>(), world, numel,
+                                        decoded.data_ptr<float>(), call.stream),
+               "sign_unpack");
+  qaccel::onebit_add_server_sum(decoded, error);
+  return onebit_compress_error(error, chunks, call);
 }
 
 }  // namespace

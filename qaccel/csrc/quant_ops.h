@@ -7,7 +7,7 @@
 //
 //   TORCH_LIBRARY_IMPL(qaccel, CPU, m) { QACCEL_IMPL_CODEC_OPS(m); }
 //
-// inside the translation unit defining the seven functions below. The dispatcher checks each
+// inside the translation unit defining the nine functions below. The dispatcher checks each
 // function's C++ signature against the declared schema when the library loads, so a backend that
 // drifts from the schema fails to load instead of miscomputing. Ops that write into a tensor
 // (`Tensor(a!)` in the schema) return nothing, as auto-functionalization under torch.compile needs.
@@ -24,4 +24,6 @@
     (m).impl("encode_payloads", &encode_payloads);   \
     (m).impl("decode_payloads", &decode_payloads);   \
     (m).impl("sum_payloads", &sum_payloads);         \
+    (m).impl("onebit_encode", &onebit_encode);       \
+    (m).impl("onebit_server", &onebit_server);       \
   } while (false)

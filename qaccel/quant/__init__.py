@@ -8,6 +8,7 @@ declared once in ``_ops`` with fake kernels (they run under ``FakeTensorMode`` a
 
 from . import reference
 from ._api import dequantize, quantize, sign_compress, sign_decompress
+from ._onebit_api import onebit_encode, onebit_server
 from ._payload import PayloadSpec
 from ._payload_api import decode_payloads, encode_payloads, sum_payloads
 from ._types import (
@@ -26,6 +27,8 @@ __all__ = [
     "dequantize",
     "sign_compress",
     "sign_decompress",
+    "onebit_encode",
+    "onebit_server",
     "PayloadSpec",
     "encode_payloads",
     "decode_payloads",

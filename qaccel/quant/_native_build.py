@@ -49,7 +49,7 @@ CACHE_ENV = "QACCEL_CACHE_DIR"
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = {"cpu": ("quant_cpu.cpp",), "cuda": ("quant_cuda_binding.cpp", "quant_cuda.cu")}
 HEADERS = ("quant_checks.h", "quant_common.h", "quant_cpu_avx512.h", "quant_cuda.h", "quant_cuda_device.cuh",
-           "quant_ops.h", "quant_payload.h")  # fmt: skip
+           "quant_onebit.h", "quant_ops.h", "quant_payload.h")  # fmt: skip
 CXX_FLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-march=native")
 # torch's own nvcc defines (COMMON_NVCC_FLAGS) are added by cpp_extension; ours keep the maths exact.
 NVCC_FLAGS = ("-O3", "--fmad=false", "-Xcompiler", "-ffp-contract=off")

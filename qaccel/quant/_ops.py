@@ -42,6 +42,8 @@ __all__ = [
     "encode_payloads",
     "decode_payloads",
     "sum_payloads",
+    "onebit_encode",
+    "onebit_server",
 ]
 
 NAMESPACE = "qaccel"
@@ -60,6 +62,8 @@ SCHEMAS = {
     " Tensor? seeds) -> ()",
     "sum_payloads": "(Tensor blob, Tensor table, Tensor device_table, Tensor base, Tensor(a!) out,"
     " Tensor? seeds) -> ()",
+    "onebit_encode": "(Tensor x, Tensor(a!) error, int chunks) -> (Tensor, Tensor)",
+    "onebit_server": "(Tensor signs, Tensor scales, Tensor(a!) error, int chunks) -> (Tensor, Tensor)",
 }
 
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")  # the namespace is ours: defined once per process
@@ -102,6 +106,8 @@ _REFERENCE_KERNELS = {
     "encode_payloads": _reference_encode,
     "decode_payloads": _reference_decode,
     "sum_payloads": _reference_sum,
+    "onebit_encode": reference.onebit_encode,
+    "onebit_server": reference.onebit_server,
 }
 for _name, _kernel in _REFERENCE_KERNELS.items():
     _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
@@ -122,11 +128,22 @@ def _fake_sign_pack(x, chunks):
     return x.new_empty((chunks * ((x.numel() // chunks + 7) // 8),), dtype=torch.uint8)
 
 
+def _fake_onebit(error, chunks):
+    # the compressed compensated buffer: chunks whole bytes per chunk and one fp32 scale per chunk
+    signs = error.new_empty((chunks * ((error.numel() // chunks + 7) // 8),), dtype=torch.uint8)
+    return signs, error.new_empty((chunks,), dtype=torch.float32)
+
+
 def _fake_writes_into_out(*args) -> None:
     """The ops that write into ``out`` create no tensor: nothing to describe."""
 
 
-_FAKE_KERNELS = {"quantize_buckets": _fake_quantize, "sign_pack": _fake_sign_pack}
+_FAKE_KERNELS = {
+    "quantize_buckets": _fake_quantize,
+    "sign_pack": _fake_sign_pack,
+    "onebit_encode": lambda x, error, chunks: _fake_onebit(error, chunks),
+    "onebit_server": lambda signs, scales, error, chunks: _fake_onebit(error, chunks),
+}
 for _name in SCHEMAS:
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _FAKE_KERNELS.get(_name, _fake_writes_into_out), lib=_LIBRARY)
 
@@ -142,6 +159,8 @@ _SIGN_UNPACK = torch.ops.qaccel.sign_unpack.default
 _ENCODE = torch.ops.qaccel.encode_payloads.default
 _DECODE = torch.ops.qaccel.decode_payloads.default
 _SUM = torch.ops.qaccel.sum_payloads.default
+_ONEBIT_ENCODE = torch.ops.qaccel.onebit_encode.default
+_ONEBIT_SERVER = torch.ops.qaccel.onebit_server.default
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +229,19 @@ def sum_payloads(
     return out
 
 
+def onebit_encode(x: torch.Tensor, error: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    signs, scales = _ONEBIT_ENCODE(_flat(x), error, chunks)
+    return signs, scales
+
+
+def onebit_server(
+    signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_signs, new_scales = _ONEBIT_SERVER(_flat(signs), scales, error, chunks)
+    return new_signs, new_scales
+
+
 # The reference's docstrings state what each computes (bit for bit the same).
 for _wrapper in (quantize_buckets, dequantize_into, sign_pack, sign_unpack, encode_payloads, decode_payloads,
-                 sum_payloads):  # fmt: skip
+                 sum_payloads, onebit_encode, onebit_server):  # fmt: skip
     _wrapper.__doc__ = getattr(reference, _wrapper.__name__).__doc__

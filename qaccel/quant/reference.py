@@ -44,6 +44,12 @@ layout do not change:
 1-bit sign codec (0/1 Adam, ``docs/zero_one_adam.md``, "Wire format of the 1-bit all-reduce"): see
 :class:`qaccel.quant.SignCompressed` for the layout; the scale of a chunk is
 ``torch.linalg.vector_norm(chunk) / sqrt(n_c)`` in fp32, as DeepSpeed computes it.
+
+Fused 1-bit error feedback (:func:`onebit_encode`, :func:`onebit_server`): one side of the 1-bit
+all-reduce each, exactly the sequence of codec calls ``qaccel.comm._onebit`` made before they were
+fused. The scale (``torch.linalg.vector_norm``) and the server's sum over ranks (``torch.sum``) reduce
+in torch's own order, which depends on sizes and thread counts: the native kernels call those torch
+ops and fuse everything else into their passes.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ __all__ = [
     "sign_pack",
     "sign_unpack",
     "chunk_rms",
+    "onebit_encode",
+    "onebit_server",
     "encode_payloads",
     "decode_payloads",
     "sum_payloads",
@@ -111,3 +119,36 @@ def sign_unpack(signs: torch.Tensor, scales: torch.Tensor, numel: int, out: torc
     pm_one = (bits.view(chunks, chunk_bytes * 8)[:, :chunk_numel] * 2 - 1).to(torch.float32)
     out.view(chunks, chunk_numel).copy_(pm_one * scales.to(torch.float32).view(chunks, 1))
     return out
+
+
+def _compress_with_error(values: torch.Tensor, error: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sign-compress the compensated ``values``; ``error`` becomes ``values - decode(signs, scales)``."""
+    signs = sign_pack(values, chunks)
+    scales = chunk_rms(values, chunks)
+    decoded = sign_unpack(signs, scales, values.numel(), torch.empty_like(values))
+    error.copy_(values - decoded)
+    return signs, scales
+
+
+def onebit_encode(x: torch.Tensor, error: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker side: ``c = pad(fp32(x)) + error``; returns ``(sign_pack(c), chunk_rms(c))`` and sets
+    ``error = c - decode`` (``error``: flat fp32 of ``M' >= x.numel()`` elements, ``chunks`` dividing ``M'``)."""
+    compensated = torch.zeros(error.numel(), dtype=torch.float32, device=error.device)
+    compensated[: x.numel()] = x.reshape(-1)
+    compensated.add_(error)
+    return _compress_with_error(compensated, error, chunks)
+
+
+def onebit_server(
+    signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Server side: decode the ``N = scales.numel()`` workers' chunks of ``n = error.numel()`` elements
+    (``signs``: ``N`` rows of ``ceil(n/8)`` bytes) with scales ``s_i * (1/N)``, sum them over the
+    workers, add ``error``; returns the compressed sum as :func:`onebit_encode` does and sets ``error``."""
+    world, numel = scales.numel(), error.numel()
+    decoded = torch.empty((world, numel), dtype=torch.float32, device=error.device)
+    # (s_w / N) first, then times +-1: the order of DeepSpeed's server average
+    sign_unpack(signs.reshape(-1), scales * (1 / world), world * numel, decoded.view(-1))
+    averaged = decoded.sum(0)
+    averaged.add_(error)
+    return _compress_with_error(averaged, error, chunks)

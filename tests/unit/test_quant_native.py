@@ -192,7 +192,8 @@ def test_chunk_rms_is_the_reference_norm(cpu_kernels):
 def test_native_functions_have_the_reference_signatures(cpu_kernels):
     import inspect
 
-    for name in ("quantize_buckets", "dequantize_into", "sign_pack", "sign_unpack", "chunk_rms"):
+    for name in ("quantize_buckets", "dequantize_into", "sign_pack", "sign_unpack", "chunk_rms", "onebit_encode",
+                 "onebit_server"):  # fmt: skip
         expected = list(inspect.signature(getattr(reference, name)).parameters)
         assert list(inspect.signature(getattr(cpu_kernels, name)).parameters) == expected, name
 

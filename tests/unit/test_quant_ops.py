@@ -39,7 +39,7 @@ def _seeds(spec: PayloadSpec, slots: int) -> torch.Tensor:
 
 def test_every_backend_registers_exactly_the_declared_ops():
     header = (_native.CSRC / "quant_ops.h").read_text()
-    assert set(re.findall(r'\.impl\("(\w+)"', header)) == set(OPS) and len(OPS) == 7
+    assert set(re.findall(r'\.impl\("(\w+)"', header)) == set(OPS) and len(OPS) == 9
     for source, key in (("quant_cpu.cpp", "CPU"), ("quant_cuda_binding.cpp", "CUDA")):
         text = (_native.CSRC / source).read_text()
         assert f"TORCH_LIBRARY_IMPL(qaccel, {key}, m) {{ QACCEL_IMPL_CODEC_OPS(m); }}" in text, source
@@ -81,6 +81,20 @@ def test_sign_pack_under_fake_tensors_has_the_reference_shape(numel, chunks):
     with FakeTensorMode() as mode:
         got = torch.ops.qaccel.sign_pack(mode.from_tensor(_data(numel)), chunks)
     assert (got.shape, got.dtype) == (expected.shape, expected.dtype)
+
+
+@pytest.mark.parametrize("numel,padded,chunks", [(1, 8, 1), (700, 704, 4), (4096, 4096, 2)])
+def test_onebit_ops_under_fake_tensors_have_the_reference_shapes(numel, padded, chunks):
+    expected = reference.onebit_encode(_data(numel), torch.zeros(padded), chunks)
+    signs = reference.sign_pack(_data(3 * padded), 3)
+    expected_server = reference.onebit_server(signs, torch.ones(3), torch.zeros(padded), chunks)
+    with FakeTensorMode() as mode:
+        got = torch.ops.qaccel.onebit_encode(mode.from_tensor(_data(numel)), mode.from_tensor(torch.zeros(padded)), chunks)
+        got_server = torch.ops.qaccel.onebit_server(
+            mode.from_tensor(signs), mode.from_tensor(torch.ones(3)), mode.from_tensor(torch.zeros(padded)), chunks
+        )
+    for have, want in ((got, expected), (got_server, expected_server)):
+        assert [(t.shape, t.dtype) for t in have] == [(t.shape, t.dtype) for t in want]
 
 
 def test_ops_that_write_into_out_run_under_fake_tensors():
@@ -155,6 +169,9 @@ def _opcheck_cases() -> dict[str, tuple]:
         "encode_payloads": (src, table, table, offsets, seeds, torch.empty_like(blob)),
         "decode_payloads": (blob, table, table, torch.empty(slots * ROTATED.numel), offsets, seeds),
         "sum_payloads": (blob, table, table, _data(ROTATED.numel), torch.empty(ROTATED.numel), seeds),
+        "onebit_encode": (x.to(torch.bfloat16), _data(704, seed=7) * 0.1, 8),
+        "onebit_server": (reference.sign_pack(_data(3 * 704, seed=8), 3), torch.tensor([0.5, 2.0, 0.25]),
+                          _data(704, seed=9), 2),
     }
 
 

@@ -2,9 +2,10 @@
 
 The reference (:mod:`qaccel.quant.reference`) is the specification, so it is the baseline of every
 comparison and never a check of its own. Each native backend that loads for this machine (the C++ kernels;
-the CUDA kernels where a GPU is visible) runs the four codec operations on the same inputs as the reference:
+the CUDA kernels where a GPU is visible) runs the codec operations on the same inputs as the reference:
 quantize (codes and bucket metadata, stochastic and nearest rounding, fp32 and bf16 metadata), dequantize
-(overwrite and accumulate), sign pack and sign unpack. Any differing bit makes the command exit 1. A native
+(overwrite and accumulate), sign pack, sign unpack, and the fused 1-bit error feedback (worker and server
+side: signs, scales and the updated error buffer). Any differing bit makes the command exit 1. A native
 backend that does not load is listed with the reason (nothing to compare, exit 0).
 
 ``--build_only`` builds the native kernels this machine can use into ``QACCEL_CACHE_DIR`` and checks
@@ -70,6 +71,27 @@ def _check_backend(kernels: ModuleType, x: torch.Tensor) -> list[dict]:
         want = reference.sign_unpack(signs, scales, n, torch.empty(n, device=x.device))
         have = kernels.sign_unpack(signs, scales, n, torch.empty(n, device=x.device))
         checks.append({"op": "sign_unpack", "chunks": chunks, "identical": _same(want, have)})
+    return checks + _check_onebit(kernels, x)
+
+
+def _check_onebit(kernels: ModuleType, x: torch.Tensor, world: int = 4) -> list[dict]:
+    """The fused 1-bit error-feedback ops: signs, scales and the updated error buffer, both sides."""
+    checks = []
+    for chunks in (1, world):
+        padded = x.numel() - x.numel() % (8 * world)
+        error = torch.linspace(-0.5, 0.5, padded, device=x.device)
+        values = x[: padded - 3]  # shorter than the buffer: the zero padding is compensated too
+        want_error, have_error = error.clone(), error.clone()
+        want = reference.onebit_encode(values, want_error, chunks)
+        have = kernels.onebit_encode(values, have_error, chunks)
+        checks.append({"op": "onebit_encode", "chunks": chunks, "identical": _same((*want, want_error), (*have, have_error))})
+        numel = padded // world  # one rank's server chunk; the worker signs are the encoded rows
+        signs, scales = want[0][: world * (numel // 8)], torch.linspace(0.5, 2.0, world, device=x.device)
+        want_error, have_error = error[:numel].clone(), error[:numel].clone()
+        server_chunks = 1 if chunks == 1 else 2
+        want = reference.onebit_server(signs, scales, want_error, server_chunks)
+        have = kernels.onebit_server(signs, scales, have_error, server_chunks)
+        checks.append({"op": "onebit_server", "chunks": server_chunks, "identical": _same((*want, want_error), (*have, have_error))})
     return checks
 
 

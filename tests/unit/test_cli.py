@@ -36,7 +36,7 @@ def test_selfcheck_checks_native_backends_against_the_reference_baseline(capsys,
     cpu = report["backends"]["cpu"]
     assert cpu["role"] == "checked" and cpu["ok"] is True
     ops = {check["op"] for check in cpu["checks"]}
-    assert ops == {"quantize", "dequantize", "sign_pack", "sign_unpack"}
+    assert ops == {"quantize", "dequantize", "sign_pack", "sign_unpack", "onebit_encode", "onebit_server"}
     assert report["checked"] == ["cpu"]
     # absolute error of the W8 round trip (stochastic rounding): below one step, scale = range / 255
     assert 0 < report["w8_max_abs_error"] < 0.05

@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ._quiet_logs import quiet_unused_kernel_notices
 from ._version import __version__
+
+quiet_unused_kernel_notices()  # one bitsandbytes import-time notice; qaccel._quiet_logs says why
 
 __all__ = ["__version__", "Accelerator", "QSDPPlugin", "QSDPConfig", "Trainer"]
 

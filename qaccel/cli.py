@@ -13,6 +13,7 @@ import sys
 
 from ._errors import FlagParser, report_bad_input
 from ._extras import MissingExtraError
+from ._quiet_logs import keep_unused_kernel_notices
 from .commands import bench, configs, demo, env, export, push, recipes, selfcheck, train
 
 __all__ = ["main", "build_parser"]
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     args.extra_args = extra
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    if args.verbose:
+        keep_unused_kernel_notices()
     try:
         return args.func(args)
     except MissingExtraError as err:  # any subcommand: one line naming the pip install line

@@ -15,14 +15,13 @@ from . import _backend
 __all__ = ["onebit_encode", "onebit_server"]
 
 
-def _check_error(where: str, error: object, chunks: int) -> torch.Tensor:
+def _check_error(where: str, error: object, chunks: int) -> None:
     if not isinstance(error, torch.Tensor) or error.dtype != torch.float32 or error.dim() != 1:
         raise ValueError(f"{where}: error must be a 1-D float32 tensor")
     if not error.is_contiguous() or error.numel() == 0:
         raise ValueError(f"{where}: error must be contiguous and non-empty, got {error.numel()} elements")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or error.numel() % chunks:
         raise ValueError(f"{where}: chunks={chunks!r}: must be an int >= 1 dividing error.numel()={error.numel()}")
-    return error
 
 
 def onebit_encode(x: torch.Tensor, error: torch.Tensor, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,9 +66,7 @@ def onebit_server(
         ``(signs, scales)`` of the compensated average, as :func:`onebit_encode` returns them.
     """
     _check_error("onebit_server", error, chunks)
-    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.dim() != 1:
-        raise ValueError("onebit_server: scales must be a non-empty 1-D float32 tensor (one per worker)")
-    if scales.numel() == 0:
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.dim() != 1 or scales.numel() == 0:
         raise ValueError("onebit_server: scales must be a non-empty 1-D float32 tensor (one per worker)")
     row_bytes = (error.numel() + 7) // 8
     if not isinstance(signs, torch.Tensor) or signs.dtype != torch.uint8 or signs.numel() != scales.numel() * row_bytes:

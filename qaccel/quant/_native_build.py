@@ -12,6 +12,12 @@ contraction (``-ffp-contract=off``, nvcc ``--fmad=false``), since a fused multip
 where the reference rounds twice. The C++ build uses ``-march=native`` (the build runs where it is
 built, and the CPU model is part of the build name) and ``-fno-trapping-math``, which lets GCC
 vectorize ``floor`` (it changes no rounded result, only what may be assumed about FP traps).
+
+On Linux both libraries link the shared C++ runtime by its soname (``-l:libstdc++.so.6``), the one
+torch and Python already have loaded. A compiler whose own library folder holds only the static
+``libstdc++.a`` (seen on a GPU machine whose ``CXX`` was a GCC built under ``/opt/gcc``) otherwise
+copies the runtime into the library; that second copy's locale is never set up, and the first error
+message that formats a number (``bits=9: must be ...``) crashed the process instead of raising.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ __all__ = [
     "HEADERS",
     "CXX_FLAGS",
     "NVCC_FLAGS",
+    "LINUX_LD_FLAGS",
     "compiler",
+    "link_flags",
     "cache_root",
     "build_name",
     "toolchain_problem",
@@ -53,6 +61,8 @@ HEADERS = ("quant_checks.h", "quant_common.h", "quant_cpu_avx512.h", "quant_cuda
 CXX_FLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-march=native")
 # torch's own nvcc defines (COMMON_NVCC_FLAGS) are added by cpp_extension; ours keep the maths exact.
 NVCC_FLAGS = ("-O3", "--fmad=false", "-Xcompiler", "-ffp-contract=off")
+# The shared C++ runtime, never a static copy (module docstring); GNU ld and lld take -l:<file name>.
+LINUX_LD_FLAGS = ("-l:libstdc++.so.6",)
 _STALE_LOCK_SECONDS = 900
 
 
@@ -94,6 +104,11 @@ def _flags(backend: str) -> tuple[list[str], list[str]]:
     return ["-O3", "-ffp-contract=off"], [*NVCC_FLAGS, *_cuda_arch_flags()]
 
 
+def link_flags() -> list[str]:
+    """Linker flags of both backends' libraries (the shared C++ runtime on Linux)."""
+    return list(LINUX_LD_FLAGS) if sys.platform.startswith("linux") else []
+
+
 def build_name(backend: str) -> str:
     """Library name: ``qaccel_quant_<backend>_<hash>`` over sources, op schemas, toolchain, flags and versions."""
     digest = hashlib.sha256()
@@ -115,6 +130,7 @@ def build_name(backend: str) -> str:
         _cpu_model(),
         *cxx_flags,
         *nvcc_flags,
+        *link_flags(),
     ]
     if backend == "cuda":
         from torch.utils.cpp_extension import CUDA_HOME
@@ -190,6 +206,7 @@ def build_and_load(backend: str) -> Path:
         sources=[str(CSRC / source) for source in SOURCES[backend]],
         extra_cflags=cxx_flags,
         extra_cuda_cflags=nvcc_flags,
+        extra_ldflags=link_flags(),
         extra_include_paths=[str(CSRC)],
         build_directory=str(build_dir),
         is_python_module=False,

@@ -9,7 +9,8 @@ and why no public API does it:
   custom-comm base classes ``AllGather`` / ``ReduceScatter`` of ``_fsdp_api`` (torch >= 2.9; not
   re-exported by ``torch.distributed.fsdp``) and the default comms ``DefaultAllGather`` /
   ``DefaultReduceScatter`` of ``_fsdp_collectives`` (what a unit carries until a custom one is set); a unit's ``FSDPState`` (``FSDPModule._get_fsdp_state``)
-  with its ``_modules``, ``_fsdp_param_groups`` and ``_states_to_{forward,backward}_prefetch``; each
+  with its ``_modules``, ``_fsdp_param_groups`` (2.11: ``_fsdp_param_group``) and
+  ``_states_to_{forward,backward}_prefetch``; each
   ``FSDPParamGroup``'s ``fsdp_params``, ``mp_policy``, ``mesh_info`` / ``post_forward_mesh_info``,
   ``unshard_async_op`` and installed ``_all_gather_comm`` / ``_reduce_scatter_comm``; each
   ``FSDPParam``'s ``sharded_param`` and ``_sharded_local_tensor``. For the overlapped reduce-scatter
@@ -30,8 +31,8 @@ and why no public API does it:
   torch's DCP ``.metadata`` pickles refer to, which the vetted checkpoint loader must allow
   (:func:`dcp_metadata_private_globals`).
 - The flat collectives under both of their names (:func:`all_gather_single`,
-  :func:`reduce_scatter_single`): torch 2.10 renamed ``all_gather_into_tensor`` /
-  ``reduce_scatter_tensor`` to ``*_single`` (the old names warn) and older releases lack the new ones.
+  :func:`reduce_scatter_single`): torch 2.13 renamed ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor`` to ``*_single`` (the old names warn there) and 2.11 has only the old ones.
 
 This module sits below every layer (it imports only torch), so ``comm/``, ``fsdp/``, ``optim/``,
 ``training/`` and ``checkpoint/`` all use it.
@@ -127,8 +128,18 @@ def state_modules(state: Any) -> tuple[nn.Module, ...]:
 
 
 def param_groups(state: Any) -> list[Any]:
-    """The ``FSDPParamGroup`` objects of a unit (one unless ``shard_placement_fn`` gave several meshes)."""
-    return list(TORCH.get(state, "_fsdp_param_groups", "the param groups of an FSDP2 unit", owner="FSDPState"))
+    """The ``FSDPParamGroup`` objects of a unit (one unless ``shard_placement_fn`` gave several meshes).
+
+    torch 2.13 keeps a list (``_fsdp_param_groups``); torch 2.11 keeps at most one group
+    (``_fsdp_param_group``, None for a unit that owns no parameter).
+    """
+    purpose = "the param groups of an FSDP2 unit"
+    if TORCH.defines(state, "_fsdp_param_groups"):
+        return list(TORCH.get(state, "_fsdp_param_groups", purpose, owner="FSDPState"))
+    if TORCH.defines(state, "_fsdp_param_group"):
+        group = TORCH.get(state, "_fsdp_param_group", purpose, owner="FSDPState")
+        return [] if group is None else [group]
+    raise TORCH.missing("FSDPState._fsdp_param_groups (torch 2.11: _fsdp_param_group)", purpose)
 
 
 def installed_comms(group: Any) -> dict[str, Any]:
@@ -242,7 +253,7 @@ def all_gather_single(
 ) -> dist.Work | None:
     """Gather every rank's ``input`` into the flat ``output`` (``group.size() * input.numel()`` elements).
 
-    Calls ``dist.all_gather_single`` where torch has it (>= 2.10; FSDP2's default comm calls it) and
+    Calls ``dist.all_gather_single`` where torch has it (2.13 does, 2.11 does not; FSDP2's default comm calls it) and
     ``dist.all_gather_into_tensor`` otherwise. The function is looked up at call time, as FSDP2's own
     comms do, so a wrapper around the torch function (a profiler, a test counting the bytes handed
     to the collective) sees these calls too.

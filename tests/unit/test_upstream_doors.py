@@ -167,13 +167,28 @@ def test_a_missing_comm_base_class_names_the_versions(monkeypatch):
 def test_missing_fsdp2_state_attributes_stop_qaccel_with_the_versions(one_rank, monkeypatch):
     model = _sharded(one_rank)
     state = door.fsdp_state(model[0])
-    monkeypatch.delattr(state, "_fsdp_param_groups")
+    monkeypatch.delattr(type(state), "_fsdp_param_group", raising=False)  # torch 2.13's compatibility property
+    monkeypatch.delattr(state, "_fsdp_param_groups", raising=False)  # torch 2.13's list
+    monkeypatch.delattr(state, "_fsdp_param_group", raising=False)  # torch 2.11's one group
     with pytest.raises(RuntimeError) as error:
         find_units(model)
     assert_torch_message(error.value, "FSDPState._fsdp_param_groups")
     with pytest.raises(RuntimeError) as error:
         apply_prefetch(model)
     assert_torch_message(error.value, "FSDPState._fsdp_param_groups")
+
+
+def test_a_unit_of_torch_2_11_keeps_its_one_group_under_the_older_name(one_rank, monkeypatch):
+    # torch 2.11's FSDPState has `_fsdp_param_group` (one group or None) where 2.13 has a list.
+    model = _sharded(one_rank)
+    state = door.fsdp_state(model[0])
+    (group,) = door.param_groups(state)
+    monkeypatch.delattr(type(state), "_fsdp_param_group", raising=False)  # torch 2.13's compatibility property
+    monkeypatch.delattr(state, "_fsdp_param_groups", raising=False)
+    monkeypatch.setattr(state, "_fsdp_param_group", group, raising=False)
+    assert door.param_groups(state) == [group]
+    monkeypatch.setattr(state, "_fsdp_param_group", None)
+    assert door.param_groups(state) == []
 
 
 def test_setting_an_attribute_fsdp2_no_longer_has_fails_instead_of_creating_it(one_rank, monkeypatch):

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import _docs_gpu
+
 __all__ = ["Sources", "Block", "BLOCKS", "qsdp_rows"]
 
 
@@ -305,4 +307,6 @@ BLOCKS: dict[str, Block] = {
     "presets": Block(_preset_sources, _presets),
     "headline": Block(_headline_sources, _headline),
     "checkpoint-files": Block(lambda args: ("qaccel/checkpoint/_layout.py",), _checkpoint),
+    "gpu-check": Block(_args_bench, _docs_gpu.render_gpu_check),
+    "onebit-fused": Block(_args_bench, _docs_gpu.render_onebit_fused),
 }

@@ -13,7 +13,7 @@ import importlib.util
 import re
 import shlex
 
-__all__ = ["EXTRAS", "MissingExtraError", "pip_line", "require_extra"]
+__all__ = ["EXTRAS", "ZOO_FOR_TRAINING", "MissingExtraError", "pip_line", "require_extra"]
 
 # extra name -> the import names it provides (as listed under [project.optional-dependencies])
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -23,6 +23,9 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "tensorboard": ("tensorboard",),
     "lora": ("peft",),
 }
+# What qaccel train and the demo need of the zoo extra up front; the MiniLM package (88 MB) is checked
+# only for a run whose recipe names its model alias (qaccel.zoo.models.check_model_aliases).
+ZOO_FOR_TRAINING = ("datasets", "evaluate", "tokenizers")
 
 
 class MissingExtraError(ImportError):

@@ -43,7 +43,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from qaccel._errors import USAGE_EXIT_CODE, ArgumentParser, UsageError, report_bad_input
-from qaccel._extras import MissingExtraError, require_extra
+from qaccel._extras import ZOO_FOR_TRAINING, MissingExtraError, require_extra
 from qaccel._settings import add_config_flags, field_names
 from qaccel.checkpoint import CheckpointError, check_save_total_limit, open_checkpoint, resolve_resume
 from qaccel.fsdp import QSDPConfig
@@ -75,6 +75,7 @@ from qaccel.training.run_settings import TRAINING_FLAGS, RunInputs, TrainingSett
 from qaccel.training.run_setup import build_optimizer_and_scheduler, build_run_accelerator, load_data_and_model
 from qaccel.zoo import Recipe, load_recipe
 from qaccel.zoo.lora import add_lora_flags, check_lora_resume, check_recipe_lora, lora_from_flags
+from qaccel.zoo.models import check_model_aliases
 from qaccel.zoo.recipes import DEFAULT_MLM_PROBABILITY, SOURCE_LOCATION, TASKS
 from qaccel.zoo.user_data import DataSource, check_data_source, default_recipe
 from qaccel.zoo.user_stream import DEFAULT_SHUFFLE_BUFFER, check_stream_resume
@@ -209,10 +210,11 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
         ValueError, NotImplementedError, CheckpointError, MissingExtraError: bad input, naming the
             flag or key, the value and what is allowed.
     """
-    require_extra("zoo", "qaccel.train (recipes, data, tokenizers)")
+    require_extra("zoo", "qaccel.train (recipes, data, tokenizers)", modules=ZOO_FOR_TRAINING)
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     args = apply_deepspeed_config(args, world_size=world_size)  # --deepspeed_config: the JSON's settings as flags
     recipe, source = resolve_recipe(args)
+    check_model_aliases(recipe.model.name_or_path, recipe.tokenizer.name_or_path)
     if source is not None:  # files, splits and columns now (local data is read), a Hub id's reachability
         check_data_source(source, recipe.task)
     settings = TrainingSettings.from_recipe(recipe.training, vars(args))  # recipe values; flags given win

@@ -46,12 +46,12 @@ def job_commands(args: argparse.Namespace) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._extras import require_extra
+    from .._extras import ZOO_FOR_TRAINING, require_extra
     from ..bench import demo
     from ..train import BAD_INPUT_ERRORS
     from ._output import report_usage_error
 
-    require_extra("zoo", "qaccel demo")  # the recipe, its data and qaccel.train: one line before any job starts
+    require_extra("zoo", "qaccel demo", modules=ZOO_FOR_TRAINING)  # the recipe, its data and qaccel.train: one line first
     try:
         job_commands(args)
     except BAD_INPUT_ERRORS as err:

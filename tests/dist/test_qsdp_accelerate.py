@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 
+from qaccel import _torch_internals as torch_internals
 from tests._accelerate_runs import TINY, differing_params, full_params, run_step, set_rank_env
 from tests._dist import run_ranks
 
@@ -76,7 +77,7 @@ def _uninterrupted_worker(rank, world_size, ckpt_dir):
     comms = [
         (type(g._all_gather_comm).__name__, type(g._reduce_scatter_comm).__name__)
         for m in fsdp_modules
-        for g in m._get_fsdp_state()._fsdp_param_groups
+        for g in torch_internals.param_groups(torch_internals.fsdp_state(m))
     ]
     out["fsdp_modules"] = len(fsdp_modules)
     out["comms"] = sorted(set(comms))

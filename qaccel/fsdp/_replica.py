@@ -193,6 +193,8 @@ class QuantizedReplicaAllReduce(ReplicaAllReduce):
         owner: this rank's index among all ranks of the model (``replica * S + shard rank``).
         buffers: the model's buffer pool for the staging blobs.
         timer: splits each collective into encode / transport / decode (None: off).
+        kinds: the meter's names for the reduce-scatter and the all-gather (DiLoCo's outer all-reduce
+            records its own).
     """
 
     def __init__(
@@ -206,6 +208,7 @@ class QuantizedReplicaAllReduce(ReplicaAllReduce):
         buffers: BufferPool | None = None,
         *,
         timer: PhaseTimer | None = None,
+        kinds: tuple[str, str] = (KIND_REPLICA_RS, KIND_REPLICA_AG),
     ) -> None:
         super().__init__(group, meter)
         self.plan = plan
@@ -214,6 +217,7 @@ class QuantizedReplicaAllReduce(ReplicaAllReduce):
         self.owner = owner
         self.buffers = BufferPool() if buffers is None else buffers
         self.timer = timer
+        self.kinds = kinds
         self._chunking: dict[tuple[int, torch.dtype], tuple[ReplicaChunking, PayloadLayout]] = {}
 
     def _plan_for(self, numel: int, dtype: torch.dtype) -> tuple[ReplicaChunking, PayloadLayout]:
@@ -237,7 +241,7 @@ class QuantizedReplicaAllReduce(ReplicaAllReduce):
         unit, call = self.plan.index, self.seeds.next_replica_call(self.plan.index)
         rs_seeds = [self.seeds.replica_seed(unit, self.owner, Direction.REPLICA_GRAD, dest, call) for dest in range(replicas)]
         own = torch.empty(chunking.chunk_numel, dtype=flat.dtype, device=flat.device)
-        quantized_reduce_scatter(own, chunks, self.group, layout, rs_seeds, self.meter, KIND_REPLICA_RS, buffers=self.buffers, timer=self.timer)
+        quantized_reduce_scatter(own, chunks, self.group, layout, rs_seeds, self.meter, self.kinds[0], buffers=self.buffers, timer=self.timer)
         ag_seed = self.seeds.replica_seed(unit, self.owner, Direction.REPLICA_GATHER, 0, call)
-        quantized_all_gather(chunks.view(-1), own, self.group, layout, ag_seed, self.meter, KIND_REPLICA_AG, buffers=self.buffers, timer=self.timer)
+        quantized_all_gather(chunks.view(-1), own, self.group, layout, ag_seed, self.meter, self.kinds[1], buffers=self.buffers, timer=self.timer)
         chunking.join(chunks, flat)

@@ -23,10 +23,12 @@ from ._variance_bias import (
     variance_updates_at_freeze,
 )
 from .config import GRANULARITIES, OneBitAdamConfig, ZeroOneAdamConfig
+from .diloco import DiLoCo
 from .onebit_adam import OneBitAdam
 from .zero_one_adam import ZeroOneAdam
 
 __all__ = [
+    "DiLoCo",
     "ZeroOneAdam",
     "OneBitAdam",
     "ZeroOneAdamConfig",

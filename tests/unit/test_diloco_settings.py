@@ -1,0 +1,62 @@
+"""``DiLoCo``'s settings and step counting in one process (no process group: one island).
+
+References: the messages name the bad value and what is allowed; with one island the outer step is
+plain ``torch.optim.SGD`` on the pseudo-gradient (computed here by hand), and a call inside gradient
+accumulation (``sync_gradients`` False) does not count as a step.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from qaccel.optim import DiLoCo
+
+ACCELERATOR = SimpleNamespace(sync_gradients=True)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"sync_every": 0}, "DiLoCo sync_every=0: must be an int >= 1"),
+        ({"sync_every": True}, "DiLoCo sync_every=True: must be an int >= 1"),
+        ({"sync_every": 2.5}, "DiLoCo sync_every=2.5: must be an int >= 1"),
+        ({"sync_every": 5, "outer_lr": 0}, "DiLoCo outer_lr=0: must be a finite number > 0"),
+        ({"sync_every": 5, "outer_lr": math.nan}, "DiLoCo outer_lr=nan: must be a finite number > 0"),
+        ({"sync_every": 5, "outer_momentum": 1.0}, r"DiLoCo outer_momentum=1.0: must be a number in \[0, 1\)"),
+        ({"sync_every": 5, "outer_bits": 1}, r"DiLoCo outer_bits=1: must be None \(fp32\) or an int in \[2, 8\]"),
+        ({"sync_every": 5, "outer_bits": 16}, r"DiLoCo outer_bits=16: must be None \(fp32\) or an int in \[2, 8\]"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_value(settings, message):
+    with pytest.raises(ValueError, match=message):
+        DiLoCo(ACCELERATOR, nn.Linear(2, 2), **settings)
+
+
+def test_step_outside_the_context_is_refused():
+    with pytest.raises(RuntimeError, match=r"DiLoCo.step\(\) outside its context"):
+        DiLoCo(ACCELERATOR, nn.Linear(2, 2), sync_every=1).step()
+
+
+def test_one_island_takes_the_outer_sgd_step_on_its_pseudo_gradient_every_period():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    accelerator = SimpleNamespace(sync_gradients=True)
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    with DiLoCo(accelerator, model, sync_every=2, outer_lr=0.5, outer_momentum=0.0) as diloco:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # an inner step
+        accelerator.sync_gradients = False
+        diloco.step()  # a micro-step of gradient accumulation: not counted
+        accelerator.sync_gradients = True
+        diloco.step()
+        assert diloco.syncs == 0
+        diloco.step()  # the second optimizer step ends the period
+        assert diloco.syncs == 1
+    # pseudo-gradient start - (start + 1) = -1; SGD: start - 0.5 * (-1) = start + 0.5
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), start + 0.5, rtol=0, atol=1e-6)

@@ -18,6 +18,7 @@ from torch import nn
 from qaccel.comm import WireMeter
 from qaccel.optim import DiLoCo
 from qaccel.optim.diloco import KIND_OUTER_ALL_GATHER, KIND_OUTER_ALL_REDUCE, KIND_OUTER_REDUCE_SCATTER
+from tests._accelerate_runs import set_rank_env
 from tests._dist import CollectiveRecorder, ring_all_reduce, run_ranks
 
 H, SYNCS, LR = 3, 4, 1e-2
@@ -39,14 +40,15 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, island: int, step: int) -> None:
-    x, y = _batch(island, step)
+def _inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, island: int, step: int, accumulation: int = 1) -> None:
     optimizer.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
+    for micro in range(accumulation):  # the gradient of the mean loss, one backward per micro-batch as Accelerate's
+        x, y = _batch(island, step if accumulation == 1 else 100 * step + micro)
+        (nn.functional.mse_loss(model(x), y) / accumulation).backward()
     optimizer.step()
 
 
-def _reference(islands: int, steps: int) -> list[torch.Tensor]:
+def _reference(islands: int, steps: int, accumulation: int = 1) -> list[torch.Tensor]:
     """The algorithm in plain torch, every island in this process: the global weights after each sync."""
     models = [_model() for _ in range(islands)]
     inner = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
@@ -55,7 +57,7 @@ def _reference(islands: int, steps: int) -> list[torch.Tensor]:
     after_syncs = []
     for step in range(1, steps + 1):
         for island in range(islands):
-            _inner_step(models[island], inner[island], island, step)
+            _inner_step(models[island], inner[island], island, step, accumulation)
         if step % H == 0:
             global_weights.grad = torch.stack([global_weights - _flat(m) for m in models]).mean(0)
             outer.step()
@@ -107,6 +109,38 @@ def test_8_and_4_bit_outer_gradients_leave_islands_bit_identical_and_track_the_f
         assert torch.nn.functional.cosine_similarity(off + moved, moved, dim=0) > 0.95, bits
         sent = sum(quantized[0]["meter"][kind].sent_bytes for kind in (KIND_OUTER_REDUCE_SCATTER, KIND_OUTER_ALL_GATHER))
         assert sent == quantized[0]["recorded"] < max_bytes * exact["recorded"], bits
+
+
+def _accelerate(rank: int, world_size: int) -> dict:
+    """Through qaccel.Accelerator (DDP) with 2 micro-batches per optimizer step, DiLoCo.step() after each."""
+    set_rank_env(rank, world_size)
+    from qaccel import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, wire_meter=WireMeter())
+    net = _model()
+    model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=LR))
+    after_syncs = []
+    with DiLoCo(accelerator, model, sync_every=H, meter=accelerator.wire_meter, **OUTER) as diloco:
+        for step in range(1, H * 2 + 1):
+            for micro in range(2):
+                with accelerator.accumulate(model):
+                    x, y = _batch(rank, 100 * step + micro)
+                    accelerator.backward(nn.functional.mse_loss(model(x), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                diloco.step()
+            if step % H == 0:
+                after_syncs.append(_flat(net).clone())
+    kinds = {kind: tally.calls for kind, tally in accelerator.wire_meter.totals().items()}
+    return {"after_syncs": after_syncs, "kinds": kinds, "reference": _reference(world_size, H * 2, 2) if rank == 0 else None}
+
+
+def test_through_the_accelerator_with_gradient_accumulation_a_period_counts_optimizer_steps(tmp_path):
+    ranks = run_ranks(_accelerate, 2, tmp_path)
+    for sync in range(2):
+        assert torch.equal(ranks[0]["after_syncs"][sync], ranks[1]["after_syncs"][sync])
+        torch.testing.assert_close(ranks[0]["after_syncs"][sync], ranks[0]["reference"][sync], rtol=1e-5, atol=1e-6)
+    assert ranks[0]["kinds"] == {KIND_OUTER_ALL_REDUCE: 2}  # no gradient all-reduce inside the context
 
 
 def _resume(rank: int, world_size: int, outer_bits: int | None, stop: int) -> dict:

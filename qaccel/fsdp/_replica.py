@@ -195,6 +195,10 @@ class QuantizedReplicaAllReduce(ReplicaAllReduce):
         timer: splits each collective into encode / transport / decode (None: off).
         kinds: the meter's names for the reduce-scatter and the all-gather (DiLoCo's outer all-reduce
             records its own).
+        error_feedback: keep what quantization dropped and add it to the next call (off for
+            hierarchical QSDP): the chunks this rank sends (``quantized_reduce_scatter``'s ``error``),
+            and its summed chunk before the all-gather, whose dropped part is the compensated sum minus
+            what every rank decoded. Both buffers are :attr:`errors` (fp32, per shard size and dtype).
     """
 
     def __init__(
@@ -209,6 +213,7 @@ class QuantizedReplicaAllReduce(ReplicaAllReduce):
         *,
         timer: PhaseTimer | None = None,
         kinds: tuple[str, str] = (KIND_REPLICA_RS, KIND_REPLICA_AG),
+        error_feedback: bool = False,
     ) -> None:
         super().__init__(group, meter)
         self.plan = plan
@@ -218,6 +223,9 @@ class QuantizedReplicaAllReduce(ReplicaAllReduce):
         self.buffers = BufferPool() if buffers is None else buffers
         self.timer = timer
         self.kinds = kinds
+        self.error_feedback = error_feedback
+        # (shard numel, dtype) -> (error of the sent chunks [(R-1) x chunk], error of the own summed chunk [chunk])
+        self.errors: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._chunking: dict[tuple[int, torch.dtype], tuple[ReplicaChunking, PayloadLayout]] = {}
 
     def _plan_for(self, numel: int, dtype: torch.dtype) -> tuple[ReplicaChunking, PayloadLayout]:
@@ -241,7 +249,21 @@ class QuantizedReplicaAllReduce(ReplicaAllReduce):
         unit, call = self.plan.index, self.seeds.next_replica_call(self.plan.index)
         rs_seeds = [self.seeds.replica_seed(unit, self.owner, Direction.REPLICA_GRAD, dest, call) for dest in range(replicas)]
         own = torch.empty(chunking.chunk_numel, dtype=flat.dtype, device=flat.device)
-        quantized_reduce_scatter(own, chunks, self.group, layout, rs_seeds, self.meter, self.kinds[0], buffers=self.buffers, timer=self.timer)
+        sent_error, own_error = self._errors_for(flat.numel(), flat.dtype, chunking.chunk_numel, flat.device)
+        quantized_reduce_scatter(own, chunks, self.group, layout, rs_seeds, self.meter, self.kinds[0], error=sent_error, buffers=self.buffers, timer=self.timer)
+        if own_error is not None:
+            own.add_(own_error)
         ag_seed = self.seeds.replica_seed(unit, self.owner, Direction.REPLICA_GATHER, 0, call)
         quantized_all_gather(chunks.view(-1), own, self.group, layout, ag_seed, self.meter, self.kinds[1], buffers=self.buffers, timer=self.timer)
+        if own_error is not None:  # what the all-gather dropped: every rank, the owner too, decoded chunks[rank]
+            own_error.copy_(own.float() - chunks[self.group.rank()].float())
         chunking.join(chunks, flat)
+
+    def _errors_for(self, numel: int, dtype: torch.dtype, chunk_numel: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.error_feedback:
+            return None, None
+        key = (numel, dtype)
+        if key not in self.errors:
+            replicas = self.group.size()
+            self.errors[key] = (torch.zeros((replicas - 1) * chunk_numel, device=device), torch.zeros(chunk_numel, device=device))
+        return self.errors[key]

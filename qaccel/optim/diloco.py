@@ -75,6 +75,8 @@ class DiLoCo:
         outer_lr: the outer SGD's learning rate (0.7 in the paper; 1.0 with momentum 0 is parameter averaging).
         outer_momentum: the outer SGD's Nesterov momentum (0.9 in the paper; 0: plain SGD).
         outer_bits: the pseudo-gradient's bits on the wire (2..8), or None for fp32.
+        outer_error_feedback: with ``outer_bits``, add what the last sync's quantization dropped to the
+            next sync's values (this rank's sent chunks and its summed chunk), as 1-bit Adam does.
         seed: the stochastic rounding's seed (with ``outer_bits``).
         meter: where the outer all-reduce's bytes are recorded (default: qaccel's process-wide meter).
 
@@ -101,15 +103,19 @@ class DiLoCo:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_bits: int | None = None,
+        outer_error_feedback: bool = True,
         seed: int = 0,
         meter: WireMeter | None = None,
     ) -> None:
         _check_settings(sync_every, outer_lr, outer_momentum, outer_bits)
+        if not isinstance(outer_error_feedback, bool):
+            raise ValueError(f"DiLoCo outer_error_feedback={outer_error_feedback!r}: must be True or False")
         _check_model(model)
         self.accelerator = accelerator
         self.model = model
         self.sync_every = sync_every
         self.outer_bits = outer_bits
+        self.outer_error_feedback = outer_error_feedback
         self.meter = default_meter if meter is None else meter
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numels = [p.numel() for p in self.params]
@@ -132,7 +138,8 @@ class DiLoCo:
         plan = UnitPlan(index=0, name="diloco", segments=segments, enabled=True)
         codec = WireCodec(bits=bits, bucket_size=1024 if bits == 8 else 128)
         group = dist.group.WORLD
-        return QuantizedReplicaAllReduce(plan, codec, self.seeds, self.meter, group, dist.get_rank(), kinds=(KIND_OUTER_REDUCE_SCATTER, KIND_OUTER_ALL_GATHER))
+        kinds = (KIND_OUTER_REDUCE_SCATTER, KIND_OUTER_ALL_GATHER)
+        return QuantizedReplicaAllReduce(plan, codec, self.seeds, self.meter, group, dist.get_rank(), kinds=kinds, error_feedback=self.outer_error_feedback)
 
     def __enter__(self) -> DiLoCo:
         if id(self.model) in _ACTIVE:
@@ -186,17 +193,24 @@ class DiLoCo:
         """The global weights, the outer optimizer, the rounding seeds and the step counters (equal on every rank)."""
         return {
             "sync_every": self.sync_every,
+            "outer_bits": self.outer_bits,
             "inner_steps": self.inner_steps,
             "syncs": self.syncs,
             "global_weights": self.global_weights.detach().clone(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "seeds": self.seeds.state_dict(),
+            # this rank's error-feedback buffers (outer_bits): what its quantized sends dropped so far
+            "errors": [t.detach().clone() for pair in self._errors().values() for t in pair],
         }
+
+    def _errors(self) -> dict:
+        return {} if self._quantized is None else self._quantized.errors
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the period and the parameter count must match this run's."""
-        if state["sync_every"] != self.sync_every:
-            raise ValueError(f"DiLoCo checkpoint: sync_every={state['sync_every']} but this run has sync_every={self.sync_every}")
+        for key in ("sync_every", "outer_bits"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"DiLoCo checkpoint: {key}={state[key]} but this run has {key}={getattr(self, key)}")
         weights = state["global_weights"]
         if weights.numel() != self.global_weights.numel():
             raise ValueError(f"DiLoCo checkpoint: {weights.numel()} global weights but the model has {self.global_weights.numel()} trainable values")
@@ -204,4 +218,13 @@ class DiLoCo:
             self.global_weights.copy_(weights)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.seeds.load_state_dict(state["seeds"])
+        if state.get("errors"):
+            self._load_errors(state["errors"])
         self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
+
+    def _load_errors(self, saved: list[torch.Tensor]) -> None:
+        """Restore the error-feedback buffers (the quantized all-reduce makes them on first use: make them now)."""
+        sent, own = saved
+        if sent.numel() != (self.islands - 1) * own.numel():
+            raise ValueError(f"DiLoCo checkpoint: error feedback of {sent.numel()} values, expected {(self.islands - 1) * own.numel()} for {self.islands} islands")
+        self._quantized.errors[(self.global_weights.numel(), torch.float32)] = (sent.clone(), own.clone())

@@ -69,12 +69,13 @@ def _reference(islands: int, steps: int, accumulation: int = 1) -> list[torch.Te
     return after_syncs
 
 
-def _train(rank: int, world_size: int, outer_bits: int | None) -> dict:
+def _train(rank: int, world_size: int, outer_bits: int | None, error_feedback: bool = True) -> dict:
     model = nn.parallel.DistributedDataParallel(_model())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     meter, recorder = WireMeter(), CollectiveRecorder()
     after_syncs, between = [], []
-    with recorder.recording(), DiLoCo(ACCELERATOR, model, sync_every=H, outer_bits=outer_bits, meter=meter, **OUTER) as diloco:
+    diloco = DiLoCo(ACCELERATOR, model, sync_every=H, outer_bits=outer_bits, outer_error_feedback=error_feedback, meter=meter, **OUTER)
+    with recorder.recording(), diloco:
         for step in range(1, H * SYNCS + 1):
             _inner_step(model, optimizer, rank, step)
             diloco.step()
@@ -99,16 +100,23 @@ def test_fp32_islands_are_identical_after_each_sync_and_follow_the_plain_torch_l
 def test_8_and_4_bit_outer_gradients_leave_islands_bit_identical_and_track_the_fp32_run(tmp_path):
     exact = run_ranks(_train, 3, tmp_path, None)[0]
     moved = exact["after_syncs"][-1] - _flat(_model())
-    # measured: 8 bits 1.2% off the fp32 run's movement at 0.29x its bytes; 4 bits 17% off, cosine 0.985, 0.18x
-    for bits, max_off, max_bytes in ((8, 0.02, 0.3), (4, 0.25, 0.2)):
+    # measured (error feedback on): 8 bits 0.56% off the fp32 run's movement at 0.29x its bytes; 4 bits 8.5%, 0.18x
+    for bits, max_off, max_bytes in ((8, 0.01, 0.3), (4, 0.12, 0.2)):
         quantized = run_ranks(_train, 3, tmp_path, bits)
         for sync in range(SYNCS):
             assert all(torch.equal(r["after_syncs"][sync], quantized[0]["after_syncs"][sync]) for r in quantized), bits
         off = quantized[0]["after_syncs"][-1] - exact["after_syncs"][-1]
         assert 0 < off.norm() < max_off * moved.norm(), bits  # the codes are on the wire, and the outer steps agree
-        assert torch.nn.functional.cosine_similarity(off + moved, moved, dim=0) > 0.95, bits
+        assert torch.nn.functional.cosine_similarity(off + moved, moved, dim=0) > 0.99, bits
         sent = sum(quantized[0]["meter"][kind].sent_bytes for kind in (KIND_OUTER_REDUCE_SCATTER, KIND_OUTER_ALL_GATHER))
         assert sent == quantized[0]["recorded"] < max_bytes * exact["recorded"], bits
+
+
+def test_error_feedback_halves_what_4_bit_outer_gradients_lose(tmp_path):
+    exact = run_ranks(_train, 3, tmp_path, None)[0]["after_syncs"][-1]
+    with_feedback, without = (run_ranks(_train, 3, tmp_path, 4, feedback)[0]["after_syncs"][-1] for feedback in (True, False))
+    # measured: 8.5% against 17% of the fp32 run's movement after 4 syncs
+    assert (with_feedback - exact).norm() < 0.6 * (without - exact).norm()
 
 
 def _accelerate(rank: int, world_size: int) -> dict:

@@ -30,6 +30,7 @@ ACCELERATOR = SimpleNamespace(sync_gradients=True)
         ({"sync_every": 5, "outer_momentum": 1.0}, r"DiLoCo outer_momentum=1.0: must be a number in \[0, 1\)"),
         ({"sync_every": 5, "outer_bits": 1}, r"DiLoCo outer_bits=1: must be None \(fp32\) or an int in \[2, 8\]"),
         ({"sync_every": 5, "outer_bits": 16}, r"DiLoCo outer_bits=16: must be None \(fp32\) or an int in \[2, 8\]"),
+        ({"sync_every": 5, "outer_bits": 4, "outer_error_feedback": "yes"}, "DiLoCo outer_error_feedback='yes': must be True or False"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_value(settings, message):
@@ -60,3 +61,10 @@ def test_one_island_takes_the_outer_sgd_step_on_its_pseudo_gradient_every_period
         assert diloco.syncs == 1
     # pseudo-gradient start - (start + 1) = -1; SGD: start - 0.5 * (-1) = start + 0.5
     torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), start + 0.5, rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_of_another_period_is_refused():
+    saved = DiLoCo(ACCELERATOR, nn.Linear(2, 2), sync_every=3).state_dict()
+    with pytest.raises(ValueError, match="DiLoCo checkpoint: sync_every=3 but this run has sync_every=4"):
+        DiLoCo(ACCELERATOR, nn.Linear(2, 2), sync_every=4).load_state_dict(saved)
+

@@ -1,6 +1,6 @@
 """The one module that reads torch's private surface (style guide §9).
 
-Checked against torch 2.13.0 (:data:`TORCH`). Every private torch name qaccel uses is read here,
+Checked against torch 2.13.0 and 2.11.0 (:data:`TORCH`; the whole suite passes under both on CPU). Every private torch name qaccel uses is read here,
 through small named accessors; a name that a torch release dropped raises a ``RuntimeError`` naming
 it, the installed torch and the checked versions (never a silent ``getattr`` default). What is read,
 and why no public API does it:
@@ -85,7 +85,7 @@ __all__ = [
     "reduce_scatter_single",
 ]
 
-TORCH = PrivateSurface("torch", ("2.13.0",), __name__)
+TORCH = PrivateSurface("torch", ("2.11.0", "2.13.0"), __name__)
 
 _FSDP_API = "torch.distributed.fsdp._fully_shard._fsdp_api"
 _CUSTOM_COMMS = "FSDP2 custom all-gather / reduce-scatter comms, torch >= 2.9"

@@ -45,7 +45,7 @@ def assert_version_message(error: BaseException, what: str, package: str, checke
 
 
 def assert_torch_message(error: BaseException, what: str) -> None:
-    assert_version_message(error, what, "torch", "2.13.0", "qaccel._torch_internals")
+    assert_version_message(error, what, "torch", "2.11.0, 2.13.0", "qaccel._torch_internals")
 
 
 # ---------------------------------------------------------------------------------- PrivateSurface

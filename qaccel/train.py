@@ -214,7 +214,8 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     args = apply_deepspeed_config(args, world_size=world_size)  # --deepspeed_config: the JSON's settings as flags
     recipe, source = resolve_recipe(args)
-    check_model_aliases(recipe.model.name_or_path, recipe.tokenizer.name_or_path)
+    model_source = args.model_name_or_path or recipe.model.name_or_path
+    check_model_aliases(model_source, recipe.tokenizer.name_or_path)
     if source is not None:  # files, splits and columns now (local data is read), a Hub id's reachability
         check_data_source(source, recipe.task)
     settings = TrainingSettings.from_recipe(recipe.training, vars(args))  # recipe values; flags given win
@@ -241,7 +242,7 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
         data_source=source,
         settings=settings,
         plan=plan,
-        model_source=args.model_name_or_path or recipe.model.name_or_path,
+        model_source=model_source,
         output_dir=output_dir,
         resume_from=resolve_resume(args.resume_from_checkpoint, output_dir),
         saved=None,

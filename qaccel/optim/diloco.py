@@ -10,8 +10,8 @@ local.
 The pseudo-gradient travels in fp32 (``dist.all_reduce``; every rank receives the same sum), or in
 ``outer_bits`` (2..8) through the quantized all-reduce hierarchical QSDP uses across replicas
 (:class:`qaccel.fsdp.QuantizedReplicaAllReduce`: a k-bit reduce-scatter, then a k-bit all-gather that
-every rank, the owner too, decodes), stochastically rounded without error feedback. Either way the
-islands restart from bit-identical global weights.
+every rank, the owner too, decodes), stochastically rounded, with error feedback unless turned off.
+Either way the islands restart from bit-identical global weights.
 
 The global weights and the outer momentum live on every rank in fp32 (two copies of the trainable
 parameters), as in the paper's data-parallel replicas. Islands of FSDP2 or HSDP shards are not
@@ -39,7 +39,7 @@ QUANTIZE_MIN_NUMEL = 1024  # smaller or 1-D parameters travel raw, as QSDP's par
 _ACTIVE: set[int] = set()  # id() of the models inside a DiLoCo context
 
 
-def _check_settings(sync_every: Any, outer_lr: Any, outer_momentum: Any, outer_bits: Any) -> None:
+def _check_settings(sync_every: Any, outer_lr: Any, outer_momentum: Any, outer_bits: Any, outer_error_feedback: Any) -> None:
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"DiLoCo sync_every={sync_every!r}: must be an int >= 1 (inner optimizer steps between syncs)")
     if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not math.isfinite(outer_lr) or outer_lr <= 0:
@@ -48,6 +48,8 @@ def _check_settings(sync_every: Any, outer_lr: Any, outer_momentum: Any, outer_b
         raise ValueError(f"DiLoCo outer_momentum={outer_momentum!r}: must be a number in [0, 1) (the paper uses 0.9)")
     if outer_bits is not None and (isinstance(outer_bits, bool) or not isinstance(outer_bits, int) or not 2 <= outer_bits <= 8):
         raise ValueError(f"DiLoCo outer_bits={outer_bits!r}: must be None (fp32) or an int in [2, 8]")
+    if not isinstance(outer_error_feedback, bool):
+        raise ValueError(f"DiLoCo outer_error_feedback={outer_error_feedback!r}: must be True or False")
 
 
 def _check_model(model: nn.Module) -> None:
@@ -107,9 +109,7 @@ class DiLoCo:
         seed: int = 0,
         meter: WireMeter | None = None,
     ) -> None:
-        _check_settings(sync_every, outer_lr, outer_momentum, outer_bits)
-        if not isinstance(outer_error_feedback, bool):
-            raise ValueError(f"DiLoCo outer_error_feedback={outer_error_feedback!r}: must be True or False")
+        _check_settings(sync_every, outer_lr, outer_momentum, outer_bits, outer_error_feedback)
         _check_model(model)
         self.accelerator = accelerator
         self.model = model
@@ -200,11 +200,8 @@ class DiLoCo:
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "seeds": self.seeds.state_dict(),
             # this rank's error-feedback buffers (outer_bits): what its quantized sends dropped so far
-            "errors": [t.detach().clone() for pair in self._errors().values() for t in pair],
+            "errors": [] if self._quantized is None else [t.clone() for pair in self._quantized.errors.values() for t in pair],
         }
-
-    def _errors(self) -> dict:
-        return {} if self._quantized is None else self._quantized.errors
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the period and the parameter count must match this run's."""
@@ -218,13 +215,9 @@ class DiLoCo:
             self.global_weights.copy_(weights)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.seeds.load_state_dict(state["seeds"])
-        if state.get("errors"):
-            self._load_errors(state["errors"])
+        if state.get("errors"):  # the one flat fp32 buffer's (sent chunks, own summed chunk)
+            try:
+                self._quantized.load_errors(self.global_weights.numel(), torch.float32, *state["errors"])
+            except ValueError as error:
+                raise ValueError(f"DiLoCo checkpoint: {error}") from None
         self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
-
-    def _load_errors(self, saved: list[torch.Tensor]) -> None:
-        """Restore the error-feedback buffers (the quantized all-reduce makes them on first use: make them now)."""
-        sent, own = saved
-        if sent.numel() != (self.islands - 1) * own.numel():
-            raise ValueError(f"DiLoCo checkpoint: error feedback of {sent.numel()} values, expected {(self.islands - 1) * own.numel()} for {self.islands} islands")
-        self._quantized.errors[(self.global_weights.numel(), torch.float32)] = (sent.clone(), own.clone())

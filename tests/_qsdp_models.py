@@ -16,7 +16,7 @@ from qaccel.quant import quantize
 
 __all__ = [
     "MAX_ALIGNMENT_PADDING", "PARAM_MIN_NUMEL", "TINY", "VOCAB", "batch", "build_gpt2", "codec_chunk_bytes",
-    "is_quantized", "padded_rows", "shard_like_accelerate", "train_step",
+    "hsdp_meshes", "is_quantized", "padded_rows", "shard_like_accelerate", "train_step",
 ]  # fmt: skip
 
 # Odd sizes (see the module docstring); dropout off: compared runs must see identical computations.
@@ -44,6 +44,12 @@ def shard_like_accelerate(model, world_size: int, mesh=None):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def hsdp_meshes(replicas: int = 2, shards: int = 2):
+    """The 2-D ``("replicate", "shard")`` mesh, its intra-node ``shard`` mesh and the replica group of this rank."""
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    return mesh, mesh["shard"], mesh["replicate"].get_group()
 
 
 def batch(rank: int, step: int, vocab: int = VOCAB, size: tuple[int, int] = (4, 16)) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 from ._comms import CountedAllGather, CountedReduceScatter, QSDPComm, QuantizedAllGather, QuantizedReduceScatter
 from ._install import QSDPHandle, install_qsdp
+from ._islands import island_units, replica_sync_paused
 from ._plan import UnitPlan, merge_segments, padded_shard_numel
 from ._prefetch import apply_prefetch, clear_prefetch
 from ._replica import (
+    INTER_ISLAND_PREFIX,
     INTER_NODE_KINDS,
     KIND_REPLICA_AR,
     QuantizedReplicaAllReduce,
@@ -46,6 +48,9 @@ __all__ = [
     "ReplicaChunking",
     "bytes_by_level",
     "INTER_NODE_KINDS",
+    "INTER_ISLAND_PREFIX",
     "KIND_REPLICA_AR",
     "is_inter_node",
+    "island_units",
+    "replica_sync_paused",
 ]

@@ -51,6 +51,7 @@ __all__ = [
     "KIND_REPLICA_AR",
     "INTER_NODE_KINDS",
     "INTER_NODE_PREFIX",
+    "INTER_ISLAND_PREFIX",
     "is_inter_node",
 ]
 
@@ -64,10 +65,14 @@ INTER_NODE_PREFIX = "hsdp."
 """Kinds recorded over an HSDP replica group start with it (``hsdp.replica_all_reduce``, a sharded 1-bit
 optimizer's ``hsdp.onebit.*``)."""
 
+INTER_ISLAND_PREFIX = "diloco."
+"""DiLoCo's outer collectives (``diloco.outer_*``) run between islands: over the replica group of an HSDP
+model, or between DDP ranks that are each an island; either way over the slow link."""
+
 
 def is_inter_node(kind: str) -> bool:
-    """Whether collectives of ``kind`` run over the replica group (across nodes)."""
-    return kind in INTER_NODE_KINDS or kind.startswith(INTER_NODE_PREFIX)
+    """Whether collectives of ``kind`` run over the replica group (across nodes) or between DiLoCo's islands."""
+    return kind in INTER_NODE_KINDS or kind.startswith((INTER_NODE_PREFIX, INTER_ISLAND_PREFIX))
 
 
 def bytes_by_level(tallies: Mapping[str, CollectiveTally]) -> dict[str, int]:

@@ -14,8 +14,14 @@ every rank, the owner too, decodes), stochastically rounded, with error feedback
 Either way the islands restart from bit-identical global weights.
 
 The global weights and the outer momentum live on every rank in fp32 (two copies of the trainable
-parameters), as in the paper's data-parallel replicas. Islands of FSDP2 or HSDP shards are not
-supported by this class: a model with an ``FSDPModule`` is refused.
+values it holds), as in the paper's data-parallel replicas.
+
+On an HSDP model (FSDP2 units on the intra-node mesh: hierarchical QSDP, as ``qaccel.Accelerator``
+prepares one under ``ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)`` with a ``QSDPPlugin``)
+each shard group of S ranks is an island: the replica all-reduce of every step is paused, every rank
+keeps the global weights of its own shards, and their pseudo-gradients are averaged over the replica
+group (the R ranks holding the same shard). Weights never cross the islands, only pseudo-gradients
+(:mod:`qaccel.optim._diloco_islands`).
 """
 
 from __future__ import annotations
@@ -28,14 +34,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import WireCodec, WireMeter, default_meter, ring_all_reduce_bytes
-from ..fsdp import QuantizedReplicaAllReduce, SeedSchedule, UnitPlan, merge_segments
+from ..fsdp import INTER_ISLAND_PREFIX, QuantizedReplicaAllReduce, SeedSchedule, UnitPlan, merge_segments
+from ._diloco_islands import find_islands
 
 __all__ = ["DiLoCo", "KIND_OUTER_ALL_REDUCE", "KIND_OUTER_REDUCE_SCATTER", "KIND_OUTER_ALL_GATHER"]
 
-KIND_OUTER_ALL_REDUCE = "diloco.outer_all_reduce"  # fp32
-KIND_OUTER_REDUCE_SCATTER = "diloco.outer_reduce_scatter"  # outer_bits
-KIND_OUTER_ALL_GATHER = "diloco.outer_all_gather"
-QUANTIZE_MIN_NUMEL = 1024  # smaller or 1-D parameters travel raw, as QSDP's param_min_numel
+KIND_OUTER_ALL_REDUCE = f"{INTER_ISLAND_PREFIX}outer_all_reduce"  # fp32
+KIND_OUTER_REDUCE_SCATTER = f"{INTER_ISLAND_PREFIX}outer_reduce_scatter"  # outer_bits
+KIND_OUTER_ALL_GATHER = f"{INTER_ISLAND_PREFIX}outer_all_gather"
 _ACTIVE: set[int] = set()  # id() of the models inside a DiLoCo context
 
 
@@ -52,27 +58,13 @@ def _check_settings(sync_every: Any, outer_lr: Any, outer_momentum: Any, outer_b
         raise ValueError(f"DiLoCo outer_error_feedback={outer_error_feedback!r}: must be True or False")
 
 
-def _check_model(model: nn.Module) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise ValueError(
-            "DiLoCo: the model is sharded with FSDP2 (an FSDPModule); islands of FSDP2 or HSDP shards are not supported by "
-            "qaccel.optim.DiLoCo: prepare the model with DDP (each rank an island)"
-        )
-    if dist.is_initialized() and dist.get_world_size() > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
-        raise ValueError(
-            f"DiLoCo: the model is a {type(model).__name__}, not DistributedDataParallel, on {dist.get_world_size()} ranks: "
-            "pass the model accelerator.prepare returned (DDP), whose per-step gradient sync DiLoCo turns off"
-        )
-
-
 class DiLoCo:
-    """Context manager: DiLoCo's outer loop around a user's DDP training loop (``diloco.step()`` after each optimizer step).
+    """Context manager: DiLoCo's outer loop around a user's training loop (``diloco.step()`` after each optimizer step).
 
     Args:
         accelerator: the run's ``Accelerator`` (its ``sync_gradients`` says which calls end an optimizer step).
-        model: the model ``accelerator.prepare`` returned (DDP; a plain module on one process).
+        model: the model ``accelerator.prepare`` returned: DDP (each rank an island), an HSDP model sharded
+            on the intra-node mesh (each shard group an island), or a plain module on one process.
         sync_every: H, the optimizer steps between outer syncs.
         outer_lr: the outer SGD's learning rate (0.7 in the paper; 1.0 with momentum 0 is parameter averaging).
         outer_momentum: the outer SGD's Nesterov momentum (0.9 in the paper; 0: plain SGD).
@@ -81,6 +73,8 @@ class DiLoCo:
             next sync's values (this rank's sent chunks and its summed chunk), as 1-bit Adam does.
         seed: the stochastic rounding's seed (with ``outer_bits``).
         meter: where the outer all-reduce's bytes are recorded (default: qaccel's process-wide meter).
+        replica_group: on an HSDP model, the ranks holding this rank's shard in the other islands
+            (default: the group hierarchical QSDP's hooks sum over); only for a model sharded by hand.
 
     On leaving the context without an exception, a period that has begun is synced, so every rank
     ends with the same weights. ``state_dict`` holds the global weights, the outer momentum and the
@@ -108,46 +102,47 @@ class DiLoCo:
         outer_error_feedback: bool = True,
         seed: int = 0,
         meter: WireMeter | None = None,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         _check_settings(sync_every, outer_lr, outer_momentum, outer_bits, outer_error_feedback)
-        _check_model(model)
+        self.layout = find_islands(model, replica_group)
         self.accelerator = accelerator
         self.model = model
         self.sync_every = sync_every
         self.outer_bits = outer_bits
         self.outer_error_feedback = outer_error_feedback
         self.meter = default_meter if meter is None else meter
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.numels = [p.numel() for p in self.params]
-        self.global_weights = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        local = self.layout.local_tensors()
+        self.numels = [t.numel() for t in local]
+        self.global_weights = torch.cat([t.detach().reshape(-1).float() for t in local])
         self.outer_optimizer = torch.optim.SGD([self.global_weights], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
         self.inner_steps = 0
         self.syncs = 0
         self.seeds = SeedSchedule(seed)
-        self._no_sync: Any = None
+        self._apart: Any = None
         self._quantized = self._quantized_all_reduce() if outer_bits is not None and self.islands > 1 else None
 
     @property
     def islands(self) -> int:
-        """How many islands average their pseudo-gradients (the ranks of the default group)."""
-        return dist.get_world_size() if dist.is_initialized() else 1
+        """How many islands average their pseudo-gradients (DDP: the ranks; HSDP: the replicas)."""
+        return self.layout.count
 
     def _quantized_all_reduce(self) -> QuantizedReplicaAllReduce:
         bits = self.outer_bits
-        segments = merge_segments((p.numel(), p.dim() >= 2 and p.numel() >= QUANTIZE_MIN_NUMEL) for p in self.params)
+        segments = merge_segments(zip(self.numels, self.layout.quantizable(), strict=True))
         plan = UnitPlan(index=0, name="diloco", segments=segments, enabled=True)
         codec = WireCodec(bits=bits, bucket_size=1024 if bits == 8 else 128)
-        group = dist.group.WORLD
         kinds = (KIND_OUTER_REDUCE_SCATTER, KIND_OUTER_ALL_GATHER)
-        return QuantizedReplicaAllReduce(plan, codec, self.seeds, self.meter, group, dist.get_rank(), kinds=kinds, error_feedback=self.outer_error_feedback)
+        return QuantizedReplicaAllReduce(
+            plan, codec, self.seeds, self.meter, self.layout.group, dist.get_rank(), kinds=kinds, error_feedback=self.outer_error_feedback
+        )
 
     def __enter__(self) -> DiLoCo:
         if id(self.model) in _ACTIVE:
             raise RuntimeError("DiLoCo: this model is already inside a DiLoCo context; one context per model")
         _ACTIVE.add(id(self.model))
-        if isinstance(self.model, nn.parallel.DistributedDataParallel):
-            self._no_sync = self.model.no_sync()  # islands: no gradient all-reduce between syncs
-            self._no_sync.__enter__()
+        self._apart = self.layout.apart()  # islands: no gradient sync between them until the outer step
+        self._apart.__enter__()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -155,9 +150,9 @@ class DiLoCo:
             if exc_type is None and self.inner_steps % self.sync_every:
                 self.sync()  # a begun period: every rank leaves with the same weights
         finally:
-            if self._no_sync is not None:
-                self._no_sync.__exit__(exc_type, exc, tb)
-                self._no_sync = None
+            if self._apart is not None:
+                self._apart.__exit__(exc_type, exc, tb)
+                self._apart = None
             _ACTIVE.discard(id(self.model))
 
     def step(self) -> None:
@@ -173,24 +168,24 @@ class DiLoCo:
     @torch.no_grad()
     def sync(self) -> None:
         """Average the pseudo-gradients over the islands, take the outer step, and restart every island from the result."""
-        local = torch.cat([p.detach().reshape(-1).float() for p in self.params])
-        delta = self.global_weights - local
+        tensors = self.layout.local_tensors()
+        delta = self.global_weights - torch.cat([t.detach().reshape(-1).float() for t in tensors])
         if self._quantized is not None:
             self._quantized(delta)
             self.seeds.advance()
         elif self.islands > 1:
             nbytes = ring_all_reduce_bytes(delta.numel() * delta.element_size(), self.islands)
             self.meter.record(KIND_OUTER_ALL_REDUCE, sent_bytes=nbytes, recv_bytes=nbytes)
-            dist.all_reduce(delta, op=dist.ReduceOp.SUM)
+            dist.all_reduce(delta, op=dist.ReduceOp.SUM, group=self.layout.group)
         self.global_weights.grad = delta.div_(self.islands)
         self.outer_optimizer.step()
         self.global_weights.grad = None
-        for param, values in zip(self.params, self.global_weights.split(self.numels), strict=True):
-            param.copy_(values.view_as(param))
+        for tensor, values in zip(tensors, self.global_weights.split(self.numels), strict=True):
+            tensor.copy_(values.view_as(tensor))
         self.syncs += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """The global weights, the outer optimizer, the rounding seeds and the step counters (equal on every rank)."""
+        """The global weights (of this rank's shards under HSDP), the outer optimizer, the rounding seeds and the step counters."""
         return {
             "sync_every": self.sync_every,
             "outer_bits": self.outer_bits,

@@ -48,6 +48,7 @@ from qaccel._settings import add_config_flags, field_names
 from qaccel.checkpoint import CheckpointError, check_save_total_limit, open_checkpoint, resolve_resume
 from qaccel.fsdp import QSDPConfig
 from qaccel.optim.config import OneBitAdamConfig, ZeroOneAdamConfig
+from qaccel.optim.diloco_config import DiLoCoConfig
 from qaccel.training import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     METHODS,
@@ -68,6 +69,7 @@ from qaccel.training.deepspeed_config import add_deepspeed_flag, apply_deepspeed
 from qaccel.training.faults import InterruptHandler
 from qaccel.training.loaders import build_train_loader
 from qaccel.training.methods import LAUNCH_FROM_ENV
+from qaccel.training.outer_loop import check_outer_schedule, outer_loop
 from qaccel.training.run_checkpoints import RunCheckpointer, push_final_checkpoint, resume_run
 from qaccel.training.run_evaluation import PeriodicEvaluation
 from qaccel.training.run_log import StepLog, StepMeter, StepMeterFactory, describe_run
@@ -82,6 +84,7 @@ from qaccel.zoo.user_stream import DEFAULT_SHUFFLE_BUFFER, check_stream_resume
 
 QSDP_FIELDS = field_names(QSDPConfig)
 ZOADAM_FIELDS = field_names(ZeroOneAdamConfig, OneBitAdamConfig)
+DILOCO_FIELDS = field_names(DiLoCoConfig)
 # What a run refuses before it starts: a flag, recipe key, setting, environment variable or checkpoint;
 # RuntimeError: an environment that cannot serve the input (a Hub id while offline, a missing model package).
 BAD_INPUT_ERRORS = (UsageError, ValueError, TypeError, NotImplementedError, RuntimeError, CheckpointError, MissingExtraError)
@@ -137,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument_group("0/1 Adam and 1-bit Adam settings (ZeroOneAdamConfig, OneBitAdamConfig)"),
         "zoadam_", ZeroOneAdamConfig, OneBitAdamConfig,
     )  # fmt: skip
+    add_config_flags(parser.add_argument_group("DiLoCo settings (--method diloco; DiLoCoConfig)"), "diloco_", DiLoCoConfig)
     add_lora_flags(parser)
     add_comm_flags(parser)
     add_deepspeed_flag(parser)
@@ -234,6 +238,8 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
         weight_decay=settings.weight_decay,
         launch_parallelism=launch_parallelism,
         comm=comm_options_from_flags(vars(args)),
+        recipe_diloco=recipe.method.diloco if method == "diloco" else {},
+        flag_diloco=flag_section(args, "diloco_", DILOCO_FIELDS) if method == "diloco" else {},
     )
     process_group_timeout(args.collective_timeout_s)  # refuses a non-positive --collective_timeout_s
     output_dir = Path(args.output_dir)
@@ -251,6 +257,7 @@ def check_inputs(args: argparse.Namespace, *, launch_parallelism: str | None = L
         world_size=world_size,
         lora=lora_from_flags(args, recipe.lora),
     )
+    check_outer_schedule(plan, settings, inputs.replica_interval)  # DiLoCo: checkpoints and evaluations on sync steps
     if inputs.lora is not None:  # target names against the model's layers, on the meta device
         check_recipe_lora(inputs.lora, recipe, inputs.model_source)
     if inputs.resume_from is None:
@@ -297,13 +304,12 @@ def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHa
     model, optimizer, eval_loader, scheduler = train_data.prepare(model, optimizer, eval_loader, scheduler)
     install_comm_options(accelerator, model, plan.comm, stock_ddp=plan.is_stock_ddp)  # DDP's hook (metered), FSDP2's reduce-scatter
     evaluation = PeriodicEvaluation.for_run(accelerator, inputs, model, eval_loader, data.label_names)
+    outer = outer_loop(accelerator, model, optimizer, plan)  # --method diloco: the outer loop, saving per-rank state
 
     # Checkpoints and logging: continue where a checkpoint stopped.
-    run = resume_run(accelerator, inputs, train_data)
+    run = resume_run(accelerator, inputs, train_data, outer)
     accelerator.init_trackers("qaccel", config={"recipe": inputs.recipe.name, "method": plan.method, **settings.to_dict()})
-    guards = TrainingGuards(  # non-finite values every step, replica hashes every QACCEL_CHECK_REPLICAS steps
-        accelerator, model, optimizer, allow_nonfinite=args.allow_nonfinite, replica_interval=inputs.replica_interval, first_step=run.step + 1
-    )
+    guards = TrainingGuards(accelerator, model, optimizer, allow_nonfinite=args.allow_nonfinite, replica_interval=inputs.replica_interval, first_step=run.step + 1)  # non-finite values every step, replica hashes every QACCEL_CHECK_REPLICAS steps
     checkpoints = RunCheckpointer(accelerator, inputs, train_data, model, tokenizer, save_total_limit=args.save_total_limit)
     accelerator.print(describe_run(accelerator, inputs, model))
     log = StepLog(accelerator, inputs.output_dir, run, is_resumed=inputs.resume_from is not None, logging_steps=args.logging_steps, max_steps=settings.max_steps)
@@ -315,34 +321,36 @@ def train(args: argparse.Namespace, inputs: RunInputs, *, interrupt: InterruptHa
     model.train()
     meter = step_meter(accelerator)  # the set-up's bytes do not belong to step 1
     epoch, skip = train_data.position()
-    while run.step < settings.max_steps:
-        for batch in train_data.loader(epoch, skip):
-            faults.step = run.step + 1
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    guards.before_step(run.step + 1)  # non-finite values: stop, or skip with a scaler
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            meter.add(loss)
-            if not accelerator.sync_gradients:
-                continue
-            # One optimizer step is complete.
-            run.step += 1
-            guards.after_step(run.step)  # QACCEL_CHECK_REPLICAS
-            row = meter.end_step(run, learning_rate=scheduler.get_last_lr()[0])
-            if evaluation.is_due(run.step):
-                run.last_eval = evaluation(run.step)
-                row.update(run.last_eval, eval_wire_bytes=meter.end_evaluation())
-            log.step(row)
-            if checkpoints.is_due(run.step):
-                checkpoints.save(run)
-            if run.step == settings.max_steps:
-                break
-            meter.restart()
-        epoch, skip = epoch + 1, 0
+    with outer:  # DiLoCo: islands apart between syncs (other methods: nothing)
+        while run.step < settings.max_steps:
+            for batch in train_data.loader(epoch, skip):
+                faults.step = run.step + 1
+                with accelerator.accumulate(model):
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        guards.before_step(run.step + 1)  # non-finite values: stop, or skip with a scaler
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                meter.add(loss)
+                if not accelerator.sync_gradients:
+                    continue
+                # One optimizer step is complete.
+                run.step += 1
+                outer.step(last=run.step == settings.max_steps)  # DiLoCo: a sync every sync_every steps and at the end
+                guards.after_step(run.step)  # QACCEL_CHECK_REPLICAS
+                row = meter.end_step(run, learning_rate=scheduler.get_last_lr()[0])
+                if evaluation.is_due(run.step):
+                    run.last_eval = evaluation(run.step)
+                    row.update(run.last_eval, eval_wire_bytes=meter.end_evaluation())
+                log.step(row)
+                if checkpoints.is_due(run.step):
+                    checkpoints.save(run)
+                if run.step == settings.max_steps:
+                    break
+                meter.restart()
+            epoch, skip = epoch + 1, 0
     log.close()
 
     if args.push_to_hub:

@@ -20,7 +20,7 @@ from typing import Any
 
 CONFIG_FILE_ENV = "QACCEL_CONFIG_FILE"
 DEPRECATED_CONFIG_FILE_ENV = "QACCEL_RECIPE"
-CONFIG_SECTIONS = ("qsdp", "zero_one_adam", "onebit_adam")
+CONFIG_SECTIONS = ("qsdp", "zero_one_adam", "onebit_adam", "diloco")
 
 
 def load_yaml(text: str, where: str) -> Any:

@@ -148,6 +148,9 @@ def checkpoint_table() -> str:
         (f"`{OPTIMIZER_NAME}_0/`, `{OPTIMIZER_NAME}.bin`, `{SCHEDULER_NAME}.bin`, `{RNG_STATE_NAME}_{{r}}.pkl`, `custom_checkpoint_{{i}}.pkl`",
          "Accelerate", "optimizer, scheduler, RNG, registered objects (QSDP's seed step)"),
         (f"`{ckpt.ONEBIT_RANK_FILE}`", "qaccel, every rank", "a 1-bit optimizer's private per-rank state (`docs/zero_one_adam.md`, \"Checkpoints\")"),
+        (f"`{ckpt.DILOCO_RANK_FILE}`", "qaccel, every rank (`--method diloco`)",
+         "that rank's DiLoCo state (global weights, outer momentum, rounding seeds, error feedback) and its island's inner "
+         "optimizer state (`docs/diloco.md`, \"Checkpoints\")"),
         (f"`{ckpt.QSDP_STATE_FILE}`", "qaccel, main process (QSDP)", "the seed schedule's step, seed, world size and config"),
         (f"`{ckpt.QSDP_ERROR_RANK_FILE}`", "qaccel, every rank (QSDP with `grad_error_feedback`)",
          "that rank's gradient error-feedback buffers (safetensors; `docs/qsdp.md`)"),

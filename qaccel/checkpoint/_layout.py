@@ -20,6 +20,8 @@ QSDP_ERROR_RANK_FILE = "qaccel_qsdp_error_rank{rank}.safetensors"
 STREAM_STATE_FILE = "qaccel_stream_state.json"  # a --streaming run: [rank 0's stream position, rank 1's, ...]
 #: a 1-bit optimizer's per-rank state (every rank), ``torch.save`` of tensors and plain values
 ONEBIT_RANK_FILE = "qaccel_zoadam_rank{rank}.pt"
+#: DiLoCo's per-rank state (every rank): its outer state and the island's inner optimizer state, ``torch.save``
+DILOCO_RANK_FILE = "qaccel_diloco_rank{rank}.pt"
 PARTIAL_SUFFIX = ".partial"
 _NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
@@ -46,6 +48,11 @@ def partial_path(output_dir: str | os.PathLike, step: int) -> Path:
 def onebit_rank_path(folder: str | os.PathLike, rank: int) -> Path:
     """Where rank ``rank`` keeps its 1-bit optimizer state in a checkpoint folder."""
     return Path(folder) / ONEBIT_RANK_FILE.format(rank=rank)
+
+
+def diloco_rank_path(folder: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` keeps its DiLoCo state in a checkpoint folder."""
+    return Path(folder) / DILOCO_RANK_FILE.format(rank=rank)
 
 
 def qsdp_error_rank_path(folder: str | os.PathLike, rank: int) -> Path:

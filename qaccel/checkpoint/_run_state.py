@@ -28,7 +28,7 @@ from ._vetted import read_json
 SCHEMA_VERSION = 1
 
 #: the ``method`` values of the schema -> Hub tag of an export (``None``: no method-specific tag)
-METHODS: dict[str, str | None] = {"qsdp": "qsdp", "zero_one_adam": "0-1-adam", "onebit_adam": "1-bit-adam", "none": None}
+METHODS: dict[str, str | None] = {"qsdp": "qsdp", "zero_one_adam": "0-1-adam", "onebit_adam": "1-bit-adam", "diloco": "diloco", "none": None}
 #: the ``task`` values of the schema -> (transformers auto class an export builds, Hub pipeline tag)
 TASKS: dict[str, tuple[str, str]] = {
     "causal-lm": ("AutoModelForCausalLM", "text-generation"),

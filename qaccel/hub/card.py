@@ -35,6 +35,7 @@ _METHOD_TITLES = {
     "qsdp": "QSDP (quantized FSDP2: k-bit weight all-gather and gradient reduce-scatter)",
     "zero_one_adam": "0/1 Adam (frozen variance, 1-bit error-feedback all-reduce, local steps) on DDP",
     "onebit_adam": "1-bit Adam (frozen variance, 1-bit error-feedback all-reduce) on DDP",
+    "diloco": "DiLoCo (islands that train apart and sync pseudo-gradients every H steps through an outer Nesterov step)",
     "none": "stock data parallelism (no compression)",
 }
 BNB_DESCRIPTIONS = {
@@ -155,6 +156,10 @@ def _training_section(state: dict, bnb: str | None, weights_dtype: str | None) -
         rows += [("weights on the wire", weights), ("gradients on the wire", grads)]
     elif method in ("zero_one_adam", "onebit_adam"):
         rows += [("gradients on the wire", "1-bit signs with error feedback (full precision during warm-up / variance steps)")]
+    elif method == "diloco":
+        bits = config.get("outer_bits")
+        outer = "fp32" if bits is None else f"{bits}-bit" + (", error feedback" if config.get("outer_error_feedback") else "")
+        rows += [("sync period (optimizer steps)", str(config.get("sync_every"))), ("pseudo-gradients on the wire", outer)]
     rows += [("processes (world size)", str(state["world_size"])), ("optimizer steps", str(state["step"]))]
     sent, baseline = state.get("wire_bytes_total"), state.get("baseline_wire_bytes_total")
     rows.append(("bytes on the wire", _fmt_bytes(sent)))

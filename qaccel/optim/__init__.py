@@ -24,11 +24,13 @@ from ._variance_bias import (
 )
 from .config import GRANULARITIES, OneBitAdamConfig, ZeroOneAdamConfig
 from .diloco import DiLoCo
+from .diloco_config import DiLoCoConfig
 from .onebit_adam import OneBitAdam
 from .zero_one_adam import ZeroOneAdam
 
 __all__ = [
     "DiLoCo",
+    "DiLoCoConfig",
     "ZeroOneAdam",
     "OneBitAdam",
     "ZeroOneAdamConfig",

@@ -1,7 +1,8 @@
-"""DiLoCo (Douillard et al., arXiv 2311.08105) on DDP: every rank is an island that syncs every H steps.
+"""DiLoCo (Douillard et al., arXiv 2311.08105): islands (DDP ranks, or HSDP shard groups) that sync every H steps.
 
-Inside the context the per-step gradient all-reduce is off (DDP's ``no_sync``, as Accelerate's
-``LocalSGD`` does), so each rank's inner optimizer trains its own copy of the model. Every
+On DDP every rank is an island. Inside the context the per-step gradient all-reduce is off (DDP's
+``no_sync``, as Accelerate's ``LocalSGD`` does), so each rank's inner optimizer trains its own copy
+of the model. Every
 ``sync_every`` optimizer steps each island's pseudo-gradient, the global weights minus its own, is
 averaged over the islands (one all-reduce), and an outer Nesterov SGD step (``torch.optim.SGD``)
 moves the global weights, which every island then starts from. The inner optimizer's state stays
@@ -26,7 +27,6 @@ group (the R ranks holding the same shard). Weights never cross the islands, onl
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from torch import nn
 from ..comm import WireCodec, WireMeter, default_meter, ring_all_reduce_bytes
 from ..fsdp import INTER_ISLAND_PREFIX, QuantizedReplicaAllReduce, SeedSchedule, UnitPlan, merge_segments
 from ._diloco_islands import find_islands
+from .diloco_config import DiLoCoConfig
 
 __all__ = ["DiLoCo", "KIND_OUTER_ALL_REDUCE", "KIND_OUTER_REDUCE_SCATTER", "KIND_OUTER_ALL_GATHER"]
 
@@ -43,19 +44,6 @@ KIND_OUTER_ALL_REDUCE = f"{INTER_ISLAND_PREFIX}outer_all_reduce"  # fp32
 KIND_OUTER_REDUCE_SCATTER = f"{INTER_ISLAND_PREFIX}outer_reduce_scatter"  # outer_bits
 KIND_OUTER_ALL_GATHER = f"{INTER_ISLAND_PREFIX}outer_all_gather"
 _ACTIVE: set[int] = set()  # id() of the models inside a DiLoCo context
-
-
-def _check_settings(sync_every: Any, outer_lr: Any, outer_momentum: Any, outer_bits: Any, outer_error_feedback: Any) -> None:
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"DiLoCo sync_every={sync_every!r}: must be an int >= 1 (inner optimizer steps between syncs)")
-    if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not math.isfinite(outer_lr) or outer_lr <= 0:
-        raise ValueError(f"DiLoCo outer_lr={outer_lr!r}: must be a finite number > 0 (the paper uses 0.7)")
-    if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
-        raise ValueError(f"DiLoCo outer_momentum={outer_momentum!r}: must be a number in [0, 1) (the paper uses 0.9)")
-    if outer_bits is not None and (isinstance(outer_bits, bool) or not isinstance(outer_bits, int) or not 2 <= outer_bits <= 8):
-        raise ValueError(f"DiLoCo outer_bits={outer_bits!r}: must be None (fp32) or an int in [2, 8]")
-    if not isinstance(outer_error_feedback, bool):
-        raise ValueError(f"DiLoCo outer_error_feedback={outer_error_feedback!r}: must be True or False")
 
 
 class DiLoCo:
@@ -104,23 +92,28 @@ class DiLoCo:
         meter: WireMeter | None = None,
         replica_group: dist.ProcessGroup | None = None,
     ) -> None:
-        _check_settings(sync_every, outer_lr, outer_momentum, outer_bits, outer_error_feedback)
+        config = DiLoCoConfig(
+            sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, outer_bits=outer_bits,
+            outer_error_feedback=outer_error_feedback, seed=seed,
+        )  # fmt: skip
         self.layout = find_islands(model, replica_group)
         self.accelerator = accelerator
         self.model = model
-        self.sync_every = sync_every
-        self.outer_bits = outer_bits
-        self.outer_error_feedback = outer_error_feedback
+        self.config = config
+        self.sync_every = config.sync_every
+        self.outer_bits = config.outer_bits
+        self.outer_error_feedback = config.outer_error_feedback
         self.meter = default_meter if meter is None else meter
         local = self.layout.local_tensors()
         self.numels = [t.numel() for t in local]
         self.global_weights = torch.cat([t.detach().reshape(-1).float() for t in local])
-        self.outer_optimizer = torch.optim.SGD([self.global_weights], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+        self.outer_optimizer = torch.optim.SGD([self.global_weights], lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_momentum > 0)
         self.inner_steps = 0
         self.syncs = 0
-        self.seeds = SeedSchedule(seed)
+        self.synced_at = 0  # the inner step of the last sync (0: none yet)
+        self.seeds = SeedSchedule(config.seed)
         self._apart: Any = None
-        self._quantized = self._quantized_all_reduce() if outer_bits is not None and self.islands > 1 else None
+        self._quantized = self._quantized_all_reduce() if config.outer_bits is not None and self.islands > 1 else None
 
     @property
     def islands(self) -> int:
@@ -147,7 +140,7 @@ class DiLoCo:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            if exc_type is None and self.inner_steps % self.sync_every:
+            if exc_type is None and self.inner_steps != self.synced_at:
                 self.sync()  # a begun period: every rank leaves with the same weights
         finally:
             if self._apart is not None:
@@ -183,6 +176,7 @@ class DiLoCo:
         for tensor, values in zip(tensors, self.global_weights.split(self.numels), strict=True):
             tensor.copy_(values.view_as(tensor))
         self.syncs += 1
+        self.synced_at = self.inner_steps
 
     def state_dict(self) -> dict[str, Any]:
         """The global weights (of this rank's shards under HSDP), the outer optimizer, the rounding seeds and the step counters."""
@@ -191,6 +185,7 @@ class DiLoCo:
             "outer_bits": self.outer_bits,
             "inner_steps": self.inner_steps,
             "syncs": self.syncs,
+            "synced_at": self.synced_at,
             "global_weights": self.global_weights.detach().clone(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "seeds": self.seeds.state_dict(),
@@ -215,4 +210,4 @@ class DiLoCo:
                 self._quantized.load_errors(self.global_weights.numel(), torch.float32, *state["errors"])
             except ValueError as error:
                 raise ValueError(f"DiLoCo checkpoint: {error}") from None
-        self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
+        self.inner_steps, self.syncs, self.synced_at = int(state["inner_steps"]), int(state["syncs"]), int(state["synced_at"])

@@ -7,7 +7,9 @@ stock run is the like-for-like baseline of the compressed one. A launch file tha
 DeepSpeed is refused before any process group work starts. A 1-bit optimizer launched with an FSDP
 config runs on HSDP shards (``dp_replicate_size`` >= 2 replicas of ``dp_shard_size`` shards, the
 optimizer compressing across replicas); its intra-node QSDP codecs are off unless ``--qsdp_*`` flags
-or ``QACCEL_QSDP_*`` variables turn them on.
+or ``QACCEL_QSDP_*`` variables turn them on. DiLoCo runs on DDP (every rank an island) or, with an
+HSDP launch config, on HSDP shards (every node's shard group an island, QSDP's codecs inside it as
+for the 1-bit optimizers).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .._settings import env_flag
 from ..fsdp import QSDPConfig
 from ..optim import OneBitAdam, ZeroOneAdam
 from ..optim.config import OneBitAdamConfig, ZeroOneAdamConfig
+from ..optim.diloco_config import DiLoCoConfig
 from .comm_options import CommOptions, install_comm_options
 from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S, process_group_timeout
 
@@ -39,9 +42,11 @@ __all__ = [
     "meter_stock_ddp",
 ]
 
-METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "none")
+METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "diloco", "none")
 LAUNCH_FROM_ENV = "env"  # plan_method's default: read the launch's parallelism from Accelerate's variables
 _ONEBIT_CONFIGS = {"zero_one_adam": ZeroOneAdamConfig, "onebit_adam": OneBitAdamConfig}
+# The methods that own the traffic across HSDP replicas: QSDP's codecs inside a node only.
+_REPLICA_OWNERS = (*_ONEBIT_CONFIGS, "diloco")
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,8 @@ class MethodPlan:
     parallelism: str  # "fsdp2" or "ddp"
     qsdp: QSDPConfig | None  # the QSDP settings (both paths off for a stock FSDP2 run)
     onebit: ZeroOneAdamConfig | OneBitAdamConfig | None  # the 1-bit optimizer's settings
-    comm: CommOptions = CommOptions()  # the baseline options (DDP hook and buckets, FSDP2's reduce-scatter)
+    comm: CommOptions = CommOptions()
+    diloco: DiLoCoConfig | None = None  # DiLoCo's outer loop (--method diloco)  # the baseline options (DDP hook and buckets, FSDP2's reduce-scatter)
 
     def __post_init__(self) -> None:
         self.comm.check_plan(self.method, self.parallelism, self.qsdp)  # an option the run cannot honour is refused
@@ -68,6 +74,8 @@ class MethodPlan:
             return self.qsdp.to_dict()
         if self.onebit is not None:
             return self.onebit.to_dict()
+        if self.diloco is not None:
+            return {**self.diloco.to_dict(), "parallelism": self.parallelism, "qsdp": None if self.qsdp is None else self.qsdp.to_dict()}
         return {"parallelism": self.parallelism}
 
 
@@ -109,6 +117,7 @@ _RUNS_ON: dict[str, tuple[str | None, ...]] = {
     "qsdp": ("fsdp2", "hsdp"),
     "zero_one_adam": (None, "hsdp"),
     "onebit_adam": (None, "hsdp"),
+    "diloco": (None, "hsdp"),
     "none": (None, "fsdp2", "hsdp"),
 }
 # A shipped config's twin on the same hardware and process count, for the other parallelism.
@@ -157,6 +166,8 @@ def plan_method(
     weight_decay: float,
     launch_parallelism: str | None = LAUNCH_FROM_ENV,
     comm: CommOptions | None = None,
+    recipe_diloco: dict[str, Any] | None = None,
+    flag_diloco: dict[str, Any] | None = None,
 ) -> MethodPlan:
     """Resolve and validate the method's settings; refuse launches that contradict it.
 
@@ -170,13 +181,15 @@ def plan_method(
             read from the variables ``accelerate launch`` exports (a check before launching passes
             :func:`launch_config_parallelism` of the config file instead).
         comm: the baseline options (``--ddp_comm_hook``, ...; None: none), checked by ``CommOptions.check_plan``.
+        recipe_diloco, flag_diloco: ``DiLoCoConfig`` fields from the recipe and from ``--diloco_*`` flags.
 
     Precedence, as everywhere in qaccel: flag (argument), then ``QACCEL_*`` environment, then
     the recipe, then the default.
 
     Raises:
         ValueError: an unknown method, a bad setting (naming it), a launch that asks for DeepSpeed,
-            an FSDP launch of a 1-bit optimizer without replicas (``dp_replicate_size`` < 2), a comm option it cannot honour.
+            an FSDP launch of a 1-bit optimizer or DiLoCo without replicas (``dp_replicate_size`` < 2), a comm option it
+            cannot honour.
     """
     if method not in METHODS:
         raise ValueError(f"--method {method!r}: unknown; choose one of {', '.join(METHODS)}")
@@ -191,40 +204,47 @@ def plan_method(
     fsdp_launch = launch in ("fsdp2", "hsdp")
     if method == "qsdp" or (method == "none" and (recipe_method == "qsdp" or fsdp_launch)):
         parallelism = "fsdp2"
-    elif method in _ONEBIT_CONFIGS and fsdp_launch:
+    elif method in _REPLICA_OWNERS and fsdp_launch:
         if launch != "hsdp":
             raise ValueError(
                 f"--method {method} with an FSDP launch config: runs on HSDP shards and needs parallelism_config "
                 "parallelism_config_dp_replicate_size >= 2 (got 1); use the shipped launch config cpu_2x2_hqsdp "
                 "(qaccel train --launch_config cpu_2x2_hqsdp), or a DDP launch (cpu_2proc_ddp, plain torchrun)"
             )
-        parallelism = "fsdp2"  # on HSDP shards: sharded within a node, the optimizer across replicas
+        parallelism = "fsdp2"  # on HSDP shards: sharded within a node, the method's own traffic across replicas
     else:
         parallelism = "ddp"
-    qsdp = onebit = None
-    if parallelism == "fsdp2":
-        known = {f.name for f in fields(QSDPConfig)}
-        _refuse_unknown("qsdp", {**recipe_qsdp, **flag_qsdp}, known)
-        settings, recipe_section = dict(flag_qsdp), recipe_qsdp
-        if method == "none":  # stock FSDP2 (or HSDP), its traffic still counted by pass-through comms
-            settings.update(weight_bits=None, grad_bits=None, replica_grad_bits=None)
-        elif method in _ONEBIT_CONFIGS:
-            if flag_qsdp.get("replica_grad_bits") is not None:
-                raise ValueError(
-                    f"--qsdp_replica_grad_bits={flag_qsdp['replica_grad_bits']}: with --method {method} the optimizer "
-                    "compresses the traffic across replicas itself (1 bit, or nothing on local steps); drop the flag"
-                )
-            settings["replica_grad_bits"] = None
-            # The recipe's qsdp section configures the qsdp method; exact inside a node unless asked.
-            recipe_section = {"weight_bits": None, "grad_bits": None}
-        # the recipe's section sits where a config file would: below the QACCEL_QSDP_* variables
-        qsdp = QSDPConfig.from_env(recipe=recipe_section, **settings)
+    qsdp = _qsdp_settings(method, recipe_qsdp, flag_qsdp) if parallelism == "fsdp2" else None
+    onebit = None
     if method in _ONEBIT_CONFIGS:
         cls = _ONEBIT_CONFIGS[method]
         _refuse_unknown(method, {**recipe_onebit, **flag_onebit}, set(cls.field_names()))
         base = {"lr": learning_rate, "weight_decay": weight_decay, **recipe_onebit}
         onebit = cls.from_env(recipe=base, **flag_onebit)
-    return MethodPlan(method=method, parallelism=parallelism, qsdp=qsdp, onebit=onebit, comm=comm or CommOptions())
+    diloco = None
+    if method == "diloco":
+        _refuse_unknown(method, {**(recipe_diloco or {}), **(flag_diloco or {})}, set(DiLoCoConfig.field_names()))
+        diloco = DiLoCoConfig.from_env(recipe=recipe_diloco or {}, **(flag_diloco or {}))
+    return MethodPlan(method=method, parallelism=parallelism, qsdp=qsdp, onebit=onebit, comm=comm or CommOptions(), diloco=diloco)
+
+
+def _qsdp_settings(method: str, recipe_qsdp: dict[str, Any], flag_qsdp: dict[str, Any]) -> QSDPConfig:
+    """The QSDP config of an FSDP2 run of ``method``: the qsdp method's own, stock FSDP2's, or codecs inside a node only."""
+    _refuse_unknown("qsdp", {**recipe_qsdp, **flag_qsdp}, {f.name for f in fields(QSDPConfig)})
+    settings, recipe_section = dict(flag_qsdp), recipe_qsdp
+    if method == "none":  # stock FSDP2 (or HSDP), its traffic still counted by pass-through comms
+        settings.update(weight_bits=None, grad_bits=None, replica_grad_bits=None)
+    elif method in _REPLICA_OWNERS:
+        if flag_qsdp.get("replica_grad_bits") is not None:
+            owner = "DiLoCo sends only the outer pseudo-gradients (--diloco_outer_bits)" if method == "diloco" else (
+                "the optimizer compresses the traffic across replicas itself (1 bit, or nothing on local steps)"
+            )
+            raise ValueError(f"--qsdp_replica_grad_bits={flag_qsdp['replica_grad_bits']}: with --method {method} {owner}; drop the flag")
+        settings["replica_grad_bits"] = None
+        # The recipe's qsdp section configures the qsdp method; exact inside a node unless asked.
+        recipe_section = {"weight_bits": None, "grad_bits": None}
+    # the recipe's section sits where a config file would: below the QACCEL_QSDP_* variables
+    return QSDPConfig.from_env(recipe=recipe_section, **settings)
 
 
 def _refuse_unknown(section: str, settings: dict[str, Any], known: set[str]) -> None:

@@ -72,7 +72,7 @@ def check_resume(saved: dict, current: dict) -> list[str]:
 
     Raises:
         ValueError: the method, any key of the method config, the task, the recipe, or the base
-            model differ; the message names the key and both values.
+            model differ, or a DiLoCo run's world size does; the message names the key and both values.
     """
     check_run_state(saved, "check_resume saved state")
     check_run_state(current, "check_resume current state")
@@ -87,6 +87,12 @@ def check_resume(saved: dict, current: dict) -> list[str]:
     for key in ("task", "recipe", "base_model"):
         if saved.get(key) != current.get(key):
             raise ValueError(f"resume: {key} differs: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}")
+    if saved["method"] == "diloco" and saved["world_size"] != current["world_size"]:
+        raise ValueError(
+            f"resume: the checkpoint was trained with method 'diloco' on {saved['world_size']} processes, this run has "
+            f"{current['world_size']}: each rank's island state (inner optimizer, error feedback, global weight shards) "
+            f"cannot be redistributed; resume on {saved['world_size']} processes"
+        )
     warnings = []
     if saved["world_size"] != current["world_size"]:
         warnings.append(_world_size_warning(saved["method"], saved["world_size"], current["world_size"], saved.get("method_config")))

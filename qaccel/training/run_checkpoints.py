@@ -18,13 +18,16 @@ from .run_log import RunProgress
 if TYPE_CHECKING:
     from ..integration import Accelerator
     from .loaders import TrainLoader
+    from .outer_loop import OuterLoop
     from .run_settings import RunInputs
 
 __all__ = ["RunCheckpointer", "push_final_checkpoint", "resume_run"]
 
 
-def resume_run(accelerator: Accelerator, inputs: RunInputs, train_data: TrainLoader) -> RunProgress:
+def resume_run(accelerator: Accelerator, inputs: RunInputs, train_data: TrainLoader, outer: OuterLoop | None = None) -> RunProgress:
     """Load the checkpoint to resume from, if any (model, optimizer, scheduler, RNG, the train loader's position).
+
+    ``outer`` (DiLoCo's) then restores this rank's own part of the checkpoint.
 
     Returns:
         Where the run continues: the checkpoint's step, bytes and last evaluation, or step 0.
@@ -34,6 +37,8 @@ def resume_run(accelerator: Accelerator, inputs: RunInputs, train_data: TrainLoa
     for warning in inputs.resume_warnings:
         accelerator.print(f"resume: {warning}")
     accelerator.load_state(str(inputs.resume_from))
+    if outer is not None:
+        outer.resume(inputs.resume_from)
     run = RunProgress.from_run_state(inputs.saved)
     train_data.resume(inputs.resume_from, run.step * inputs.settings.gradient_accumulation_steps)
     accelerator.print(f"resumed from {inputs.resume_from} at step {run.step}")

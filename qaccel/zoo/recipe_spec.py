@@ -58,7 +58,7 @@ DATASETS = {
 SOURCE_KEYS = {"path": "dataset_name", "config_name": "dataset_config_name", "revision": "dataset_revision", "seq_len": "max_seq_length"}
 # Where the data is: replaced as a whole when the flags name another place (--dataset_name, --train_file).
 SOURCE_LOCATION = ("dataset_name", "dataset_config_name", "dataset_revision", "train_file", "validation_file")
-METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "none")
+METHODS = ("qsdp", "zero_one_adam", "onebit_adam", "diloco", "none")
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 TOKENIZER_KINDS = ("bpe", "wordpiece")
 
@@ -132,6 +132,7 @@ METHOD_SCHEMA = [
     Key("qsdp", "mapping", default={}),
     Key("zero_one_adam", "mapping", default={}),
     Key("onebit_adam", "mapping", default={}),
+    Key("diloco", "mapping", default={}),
 ]
 LAUNCH_SCHEMA = [Key("config", "str"), Key("num_processes", "int", minimum=1)]
 
@@ -212,10 +213,11 @@ class TrainingSpec:
 class MethodSpec:
     """``method:``. Each section holds that method's config fields (used when it is the method run)."""
 
-    name: str  # qsdp | zero_one_adam | onebit_adam | none
+    name: str  # qsdp | zero_one_adam | onebit_adam | diloco | none
     qsdp: dict[str, Any]
     zero_one_adam: dict[str, Any]
     onebit_adam: dict[str, Any]
+    diloco: dict[str, Any] = dataclasses.field(default_factory=dict)  # a later section: code building a spec may omit it
 
 
 @dataclass(frozen=True)

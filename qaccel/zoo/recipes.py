@@ -92,7 +92,7 @@ DEFAULT_TRAINING = {
     "weight_decay": 0.0, "warmup_steps": 0, "lr_scheduler": "linear", "seed": 0, "mixed_precision": "no",
 }  # fmt: skip
 # method -> the shipped launch config (2 CPU processes; `qaccel train --launch_config` picks another)
-DEFAULT_LAUNCH_CONFIGS = {"qsdp": "cpu_2proc_qsdp", "none": "cpu_2proc_qsdp", "zero_one_adam": "cpu_2proc_ddp", "onebit_adam": "cpu_2proc_ddp"}
+DEFAULT_LAUNCH_CONFIGS = {"qsdp": "cpu_2proc_qsdp", "none": "cpu_2proc_qsdp", "zero_one_adam": "cpu_2proc_ddp", "onebit_adam": "cpu_2proc_ddp", "diloco": "cpu_2proc_ddp"}
 # The path of a run without a recipe: no card behind it, and its checkpoints record no recipe name.
 DEFAULT_RECIPE_PATH = Path("<defaults>")
 CARDS_ENV = MODEL_CARDS_ENV
@@ -295,9 +295,10 @@ def _check_source(where: str, section: dict[str, Any], values: dict[str, Any], t
 
 def _check_method(where: str, method: MethodSpec) -> None:
     from ..fsdp import QSDPConfig
-    from ..optim import OneBitAdamConfig, ZeroOneAdamConfig
+    from ..optim import DiLoCoConfig, OneBitAdamConfig, ZeroOneAdamConfig
 
-    for section, cls in (("qsdp", QSDPConfig), ("zero_one_adam", ZeroOneAdamConfig), ("onebit_adam", OneBitAdamConfig)):
+    sections = (("qsdp", QSDPConfig), ("zero_one_adam", ZeroOneAdamConfig), ("onebit_adam", OneBitAdamConfig), ("diloco", DiLoCoConfig))
+    for section, cls in sections:
         try:
             cls.from_dict(getattr(method, section))
             cls(**getattr(method, section))  # as the training code builds them, from keyword arguments

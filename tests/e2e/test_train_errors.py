@@ -23,14 +23,14 @@ import pytest
 from tests._launch import REPO, run_job
 
 
-def _foreign_checkpoint(root: Path, method: str, recipe: str, task: str, base_model: str, config: dict | None = None) -> Path:
+def _foreign_checkpoint(root: Path, method: str, recipe: str, task: str, base_model: str, config: dict | None = None, world_size: int = 1) -> Path:
     """A complete checkpoint folder as another run writes it: its run state and a manifest over it."""
     from qaccel.checkpoint import build_run_state, write_manifest
 
     folder = root / "checkpoint-4"
     folder.mkdir(parents=True)
     state = build_run_state(
-        method=method, method_config=config or {}, recipe=recipe, task=task, step=4, world_size=1, wire_bytes_total=0,
+        method=method, method_config=config or {}, recipe=recipe, task=task, step=4, world_size=world_size, wire_bytes_total=0,
         metrics=None, base_model=base_model, dataset=None,
     )  # fmt: skip
     (folder / "qaccel_state.json").write_text(json.dumps(state))
@@ -47,6 +47,10 @@ def _cases(tmp: Path) -> dict[str, dict]:
     other_model = _foreign_checkpoint(tmp / "gpt2_124m_run", "qsdp", "gpt2-124m", "causal-lm", "gpt2-124m", gpt2_tiny_qsdp)
     damaged = _foreign_checkpoint(tmp / "damaged_run", "qsdp", "gpt2-tiny", "causal-lm", "gpt2-tiny")
     (damaged / "qaccel_state.json").write_text((damaged / "qaccel_state.json").read_text() + " ")
+    from qaccel.optim import DiLoCoConfig
+
+    diloco_config = {**DiLoCoConfig(sync_every=50).to_dict(), "parallelism": "ddp", "qsdp": None}
+    diloco_run = _foreign_checkpoint(tmp / "diloco_run", "diloco", "gpt2-tiny", "causal-lm", None, diloco_config, world_size=2)
     bad_recipe = tmp / "bad.md"
     bad_recipe.write_text("no front matter\n")
 
@@ -66,6 +70,16 @@ def _cases(tmp: Path) -> dict[str, dict]:
         "zoadam_unsupported_value": case("--recipe", "bert-tiny", "--zoadam_amsgrad", "true"),
         "zero_one_adam_under_fsdp_launch": case("--recipe", "bert-tiny", ACCELERATE_USE_FSDP="true"),
         "deepspeed_launch": case("--recipe", "gpt2-tiny", ACCELERATE_USE_DEEPSPEED="true"),
+        "diloco_bad_setting": case("--recipe", "gpt2-tiny", "--method", "diloco", "--diloco_outer_bits", "9"),
+        "diloco_save_between_syncs": case("--recipe", "gpt2-tiny", "--method", "diloco", "--diloco_sync_every", "40"),
+        "diloco_eval_between_syncs": case("--recipe", "gpt2-tiny", "--method", "diloco", "--diloco_sync_every", "75", "--save_steps", "0"),
+        "diloco_under_fsdp_launch": case("--recipe", "gpt2-tiny", "--method", "diloco", ACCELERATE_USE_FSDP="true"),
+        "diloco_replica_bits": case(
+            "--recipe", "gpt2-tiny", "--method", "diloco", "--qsdp_replica_grad_bits", "4",
+            ACCELERATE_USE_FSDP="true", PARALLELISM_CONFIG_DP_REPLICATE_SIZE="2",
+        ),  # fmt: skip
+        "resume_diloco_other_world_size": case("--recipe", "gpt2-tiny", "--method", "diloco", "--diloco_sync_every", "50",
+                                               "--resume_from_checkpoint", str(diloco_run)),  # fmt: skip
         "resume_missing_folder": case("--recipe", "gpt2-tiny", "--resume_from_checkpoint", str(tmp / "gone")),
         "resume_not_a_checkpoint": case("--recipe", "gpt2-tiny", "--resume_from_checkpoint", str(tmp)),
         "resume_damaged": case("--recipe", "gpt2-tiny", "--resume_from_checkpoint", str(damaged)),
@@ -95,6 +109,12 @@ EXPECTED = {
     "zoadam_unsupported_value": ("NotImplementedError", ["ZeroOneAdamConfig.amsgrad=True: must be False"]),
     "zero_one_adam_under_fsdp_launch": ("ValueError", ["runs on HSDP shards", "dp_replicate_size >= 2", "--launch_config cpu_2x2_hqsdp", "cpu_2proc_ddp"]),
     "deepspeed_launch": ("ValueError", ["DeepSpeed", "cpu_2proc_qsdp.yaml"]),
+    "diloco_bad_setting": ("ValueError", ["DiLoCoConfig.outer_bits=9", "an int in [2, 8], or off"]),
+    "diloco_save_between_syncs": ("ValueError", ["--save_steps=150 with --method diloco: must be a multiple of --diloco_sync_every=40"]),
+    "diloco_eval_between_syncs": ("ValueError", ["--eval_steps=100 with --method diloco: must be a multiple of --diloco_sync_every=75"]),
+    "diloco_under_fsdp_launch": ("ValueError", ["--method diloco with an FSDP launch config: runs on HSDP shards", "cpu_2x2_hqsdp"]),
+    "diloco_replica_bits": ("ValueError", ["--qsdp_replica_grad_bits=4: with --method diloco DiLoCo sends only the outer pseudo-gradients"]),
+    "resume_diloco_other_world_size": ("ValueError", ["trained with method 'diloco' on 2 processes, this run has 1", "resume on 2 processes"]),
     "resume_missing_folder": ("CheckpointError", ["gone: no such directory"]),
     "resume_not_a_checkpoint": ("CheckpointError", ["no manifest.json", "not a complete qaccel checkpoint"]),
     "resume_damaged": ("CheckpointError", ["qaccel_state.json", "the manifest says"]),

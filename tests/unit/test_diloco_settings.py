@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from qaccel.optim import DiLoCo
+from qaccel.optim import DiLoCo, DiLoCoConfig
 
 ACCELERATOR = SimpleNamespace(sync_gradients=True)
 
@@ -22,20 +22,29 @@ ACCELERATOR = SimpleNamespace(sync_gradients=True)
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"sync_every": 0}, "DiLoCo sync_every=0: must be an int >= 1"),
-        ({"sync_every": True}, "DiLoCo sync_every=True: must be an int >= 1"),
-        ({"sync_every": 2.5}, "DiLoCo sync_every=2.5: must be an int >= 1"),
-        ({"sync_every": 5, "outer_lr": 0}, "DiLoCo outer_lr=0: must be a finite number > 0"),
-        ({"sync_every": 5, "outer_lr": math.nan}, "DiLoCo outer_lr=nan: must be a finite number > 0"),
-        ({"sync_every": 5, "outer_momentum": 1.0}, r"DiLoCo outer_momentum=1.0: must be a number in \[0, 1\)"),
-        ({"sync_every": 5, "outer_bits": 1}, r"DiLoCo outer_bits=1: must be None \(fp32\) or an int in \[2, 8\]"),
-        ({"sync_every": 5, "outer_bits": 16}, r"DiLoCo outer_bits=16: must be None \(fp32\) or an int in \[2, 8\]"),
-        ({"sync_every": 5, "outer_bits": 4, "outer_error_feedback": "yes"}, "DiLoCo outer_error_feedback='yes': must be True or False"),
+        ({"sync_every": 0}, "DiLoCoConfig.sync_every=0: must be an int >= 1"),
+        ({"sync_every": True}, "DiLoCoConfig.sync_every=True: must be an int >= 1"),
+        ({"sync_every": 2.5}, "DiLoCoConfig.sync_every=2.5: must be an int >= 1"),
+        ({"sync_every": 5, "outer_lr": 0}, "DiLoCoConfig.outer_lr=0: must be a finite number > 0"),
+        ({"sync_every": 5, "outer_lr": math.nan}, "DiLoCoConfig.outer_lr=nan: must be a finite number > 0"),
+        ({"sync_every": 5, "outer_momentum": 1.0}, r"DiLoCoConfig.outer_momentum=1.0: must be a number in \[0, 1\)"),
+        ({"sync_every": 5, "outer_bits": 1}, r"DiLoCoConfig.outer_bits=1: must be an int in \[2, 8\], or off"),
+        ({"sync_every": 5, "outer_bits": 16}, r"DiLoCoConfig.outer_bits=16: must be an int in \[2, 8\], or off"),
+        ({"sync_every": 5, "outer_bits": 4, "outer_error_feedback": "maybe"}, "DiLoCoConfig.outer_error_feedback='maybe': not a boolean"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_value(settings, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         DiLoCo(ACCELERATOR, nn.Linear(2, 2), **settings)
+
+
+def test_the_config_reads_flags_environment_and_recipe_in_that_order():
+    environ = {"QACCEL_DILOCO_OUTER_BITS": "4", "QACCEL_DILOCO_SYNC_EVERY": "50"}
+    config = DiLoCoConfig.from_env(environ, recipe={"sync_every": 20, "outer_lr": 0.5}, sync_every=10)
+    assert (config.sync_every, config.outer_bits, config.outer_lr, config.outer_momentum) == (10, 4, 0.5, 0.9)
+    assert DiLoCoConfig.from_env({}, recipe={"outer_bits": "off"}).outer_bits is None
+    with pytest.raises(ValueError, match=r"DiLoCoConfig.outer_bits=9: must be an int in \[2, 8\].* \(from QACCEL_DILOCO_OUTER_BITS\)"):
+        DiLoCoConfig.from_env({"QACCEL_DILOCO_OUTER_BITS": "9"})
 
 
 def test_step_outside_the_context_is_refused():

@@ -45,7 +45,7 @@ def test_build_records_versions_and_is_json_ready():
 @pytest.mark.parametrize(
     ("overrides", "error", "match"),
     [
-        ({"method": "qsdp2"}, ValueError, r"method='qsdp2': must be one of \['none', 'onebit_adam', 'qsdp', 'zero_one_adam'\]"),
+        ({"method": "qsdp2"}, ValueError, r"method='qsdp2': must be one of \['diloco', 'none', 'onebit_adam', 'qsdp', 'zero_one_adam'\]"),
         ({"task": "seq2seq"}, ValueError, r"task='seq2seq': must be one of"),
         ({"step": -1}, ValueError, r"step=-1: must be >= 0"),
         ({"world_size": 0}, ValueError, r"world_size=0: must be >= 1"),

@@ -195,7 +195,7 @@ def test_a_field_error_names_the_source_of_that_value(tmp_path):
         ("qsdp:\n  steps: 0\n", r"Demo\.steps=0: .* \(from recipe {path}, key qsdp\.steps\)$"),
         ("qsdp:\n  stepz: 2\n", r"unknown keys \['stepz'\] \(from recipe {path}, key qsdp\.stepz\)"),
         ("qsdp: {{steps: 2\n", r"^recipe '{path}': invalid YAML: "),
-        ("qsdpp: {{steps: 2}}\n", r"^recipe '{path}': unknown sections \['qsdpp'\]; known sections: qsdp, zero_one_adam, onebit_adam$"),
+        ("qsdpp: {{steps: 2}}\n", r"^recipe '{path}': unknown sections \['qsdpp'\]; known sections: qsdp, zero_one_adam, onebit_adam, diloco$"),
         ("qsdp: [1, 2]\n", r"the 'qsdp' section must be a mapping of Demo fields, got list$"),
     ],
     ids=["bad-value", "unknown-key", "invalid-yaml", "unknown-section", "section-not-a-mapping"],

@@ -1,4 +1,4 @@
-"""docs/train.md's tables of `--qsdp_*` / `--zoadam_*` flags are the config fields' own help, as the CLI shows it."""
+"""docs/train.md's tables of `--qsdp_*` / `--zoadam_*` / `--diloco_*` flags are the config fields' own help, as the CLI shows it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ import pytest
 from qaccel._settings import field_help, field_names, flags_markdown
 from qaccel.fsdp import QSDPConfig
 from qaccel.optim.config import OneBitAdamConfig, ZeroOneAdamConfig
+from qaccel.optim.diloco_config import DiLoCoConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "train.md"
-TABLES = {"qsdp": ("qsdp_", (QSDPConfig,)), "zoadam": ("zoadam_", (ZeroOneAdamConfig, OneBitAdamConfig))}
+TABLES = {
+    "qsdp": ("qsdp_", (QSDPConfig,)),
+    "zoadam": ("zoadam_", (ZeroOneAdamConfig, OneBitAdamConfig)),
+    "diloco": ("diloco_", (DiLoCoConfig,)),
+}
 
 
 @pytest.mark.parametrize("name", sorted(TABLES))

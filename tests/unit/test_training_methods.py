@@ -59,7 +59,7 @@ def test_deepspeed_launch_is_refused(monkeypatch):
 
 
 def test_unknown_method_and_unknown_settings_are_named():
-    with pytest.raises(ValueError, match=r"--method 'sgd'.*qsdp, zero_one_adam, onebit_adam, none"):
+    with pytest.raises(ValueError, match=r"--method 'sgd'.*qsdp, zero_one_adam, onebit_adam, diloco, none"):
         plan_method("sgd", recipe_method="qsdp", **BASE)
     with pytest.raises(ValueError, match=r"qsdp settings: unknown keys \['wieght_bits'\]"):
         plan_method("qsdp", recipe_method="qsdp", **{**BASE, "flag_qsdp": {"wieght_bits": 4}})
@@ -114,3 +114,18 @@ def test_an_explicit_launch_parallelism_wins_over_the_environment(monkeypatch):
         plan_method("qsdp", recipe_method="qsdp", launch_parallelism="deepspeed", **BASE)
     with pytest.raises(ValueError, match=r"launch config '.*nope.yaml': no such file"):
         launch_config_parallelism("/nope.yaml")
+
+
+def test_diloco_runs_on_ddp_or_on_hsdp_shards_and_reads_its_section(monkeypatch):
+    ddp = plan_method("diloco", recipe_method="qsdp", **BASE, recipe_diloco={"sync_every": 20, "outer_bits": 4}, flag_diloco={"sync_every": 10})
+    assert (ddp.parallelism, ddp.qsdp, ddp.onebit) == ("ddp", None, None)
+    assert (ddp.diloco.sync_every, ddp.diloco.outer_bits, ddp.diloco.outer_lr) == (10, 4, 0.7)  # flag, recipe, default
+    assert ddp.config_dict() == {**ddp.diloco.to_dict(), "parallelism": "ddp", "qsdp": None}
+    assert plan_method("qsdp", recipe_method="qsdp", **BASE, recipe_diloco={"sync_every": 20}).diloco is None
+    with pytest.raises(ValueError, match=r"diloco settings: unknown keys \['sync_period'\]"):
+        plan_method("diloco", recipe_method="qsdp", **BASE, recipe_diloco={"sync_period": 20})
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    hsdp = plan_method("diloco", recipe_method="qsdp", **{**BASE, "recipe_qsdp": {"weight_bits": 4, "grad_bits": 4}})
+    assert hsdp.parallelism == "fsdp2"  # HSDP shards: the recipe's qsdp section is the qsdp method's, codecs off
+    assert (hsdp.qsdp.weight_bits, hsdp.qsdp.grad_bits, hsdp.qsdp.replica_grad_bits) == (None, None, None)

@@ -24,6 +24,7 @@ SHIPPED = [
     "gpt2-124m-w4g4",
     "gpt2-350m",
     "gpt2-tiny",
+    "gpt2-tiny-diloco",
     "minilm-finetune",
     "minilm-finetune-lora",
 ]
@@ -149,7 +150,7 @@ def test_missing_key(tiny):
         ("training", "mixed_precision", False, r"quote it, e\.g\. 'no'"),
         ("training", "lr_scheduler", "cosinus", r"training\.lr_scheduler='cosinus': must be one of linear, cosine"),
         ("training", "mlm_probability", 0.15, r"training\.mlm_probability=0\.15: must be null for task 'causal-lm'"),
-        ("method", "name", "lamb", r"method\.name='lamb': must be one of 'qsdp', 'zero_one_adam', 'onebit_adam', 'none'"),
+        ("method", "name", "lamb", r"method\.name='lamb': must be one of 'qsdp', 'zero_one_adam', 'onebit_adam', 'diloco', 'none'"),
         ("launch", "config", "/abs/cpu.yaml", r"launch\.config='/abs/cpu\.yaml': must be a launch config that ships with qaccel: launch_configs/<cpu_2proc_ddp\|cpu_2proc_qsdp\|"),
         ("tokenizer", "kind", "sentencepiece", r"tokenizer\.kind='sentencepiece': must be one of 'bpe', 'wordpiece' or null"),
     ],

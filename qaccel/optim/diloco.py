@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import WireCodec, WireMeter, default_meter, ring_all_reduce_bytes
-from ..fsdp import INTER_ISLAND_PREFIX, QuantizedReplicaAllReduce, SeedSchedule, UnitPlan, merge_segments
+from ..comm import WireMeter, default_meter
+from ..fsdp import INTER_ISLAND_PREFIX, SeedSchedule
+from ._diloco_fragments import OuterFragment, fragment_offset, split_fragments
 from ._diloco_islands import find_islands
 from .diloco_config import DiLoCoConfig
 
@@ -60,6 +61,8 @@ class DiLoCo:
         outer_error_feedback: with ``outer_bits``, add what the last sync's quantization dropped to the
             next sync's values (this rank's sent chunks and its summed chunk), as 1-bit Adam does.
         seed: the stochastic rounding's seed (with ``outer_bits``).
+        fragments: F, parts of the model that sync in turn, staggered by ``sync_every / F`` steps
+            (Streaming DiLoCo; ``qaccel.optim.DiLoCoConfig``); 1: the whole model every ``sync_every`` steps.
         meter: where the outer all-reduce's bytes are recorded (default: qaccel's process-wide meter).
         replica_group: on an HSDP model, the ranks holding this rank's shard in the other islands
             (default: the group hierarchical QSDP's hooks sum over); only for a model sharded by hand.
@@ -89,12 +92,13 @@ class DiLoCo:
         outer_bits: int | None = None,
         outer_error_feedback: bool = True,
         seed: int = 0,
+        fragments: int = 1,
         meter: WireMeter | None = None,
         replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         config = DiLoCoConfig(
             sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, outer_bits=outer_bits,
-            outer_error_feedback=outer_error_feedback, seed=seed,
+            outer_error_feedback=outer_error_feedback, seed=seed, fragments=fragments,
         )  # fmt: skip
         self.layout = find_islands(model, replica_group)
         self.accelerator = accelerator
@@ -104,31 +108,28 @@ class DiLoCo:
         self.outer_bits = config.outer_bits
         self.outer_error_feedback = config.outer_error_feedback
         self.meter = default_meter if meter is None else meter
-        local = self.layout.local_tensors()
-        self.numels = [t.numel() for t in local]
-        self.global_weights = torch.cat([t.detach().reshape(-1).float() for t in local])
-        self.outer_optimizer = torch.optim.SGD([self.global_weights], lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_momentum > 0)
+        self.seeds = SeedSchedule(config.seed)
+        kinds = (KIND_OUTER_ALL_REDUCE, KIND_OUTER_REDUCE_SCATTER, KIND_OUTER_ALL_GATHER)
+        split = split_fragments([p.numel() for p in self.layout.params], config.fragments)
+        self.fragments = [OuterFragment(i, params, self.layout, config, self.seeds, self.meter, kinds) for i, params in enumerate(split)]
         self.inner_steps = 0
         self.syncs = 0
-        self.synced_at = 0  # the inner step of the last sync (0: none yet)
-        self.seeds = SeedSchedule(config.seed)
         self._apart: Any = None
-        self._quantized = self._quantized_all_reduce() if config.outer_bits is not None and self.islands > 1 else None
 
     @property
     def islands(self) -> int:
         """How many islands average their pseudo-gradients (DDP: the ranks; HSDP: the replicas)."""
         return self.layout.count
 
-    def _quantized_all_reduce(self) -> QuantizedReplicaAllReduce:
-        bits = self.outer_bits
-        segments = merge_segments(zip(self.numels, self.layout.quantizable(), strict=True))
-        plan = UnitPlan(index=0, name="diloco", segments=segments, enabled=True)
-        codec = WireCodec(bits=bits, bucket_size=1024 if bits == 8 else 128)
-        kinds = (KIND_OUTER_REDUCE_SCATTER, KIND_OUTER_ALL_GATHER)
-        return QuantizedReplicaAllReduce(
-            plan, codec, self.seeds, self.meter, self.layout.group, dist.get_rank(), kinds=kinds, error_feedback=self.outer_error_feedback
-        )
+    @property
+    def global_weights(self) -> torch.Tensor:
+        """The global weights this rank holds (its shards under HSDP), flat fp32, in parameter order."""
+        return torch.cat([fragment.global_weights for fragment in self.fragments])
+
+    @property
+    def pending(self) -> bool:
+        """Whether some fragment has trained since its last sync (the islands then differ)."""
+        return any(fragment.synced_at != self.inner_steps for fragment in self.fragments)
 
     def __enter__(self) -> DiLoCo:
         if id(self.model) in _ACTIVE:
@@ -140,8 +141,8 @@ class DiLoCo:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            if exc_type is None and self.inner_steps != self.synced_at:
-                self.sync()  # a begun period: every rank leaves with the same weights
+            if exc_type is None:
+                self.sync_pending()  # a begun period: every rank leaves with the same weights
         finally:
             if self._apart is not None:
                 self._apart.__exit__(exc_type, exc, tb)
@@ -149,65 +150,54 @@ class DiLoCo:
             _ACTIVE.discard(id(self.model))
 
     def step(self) -> None:
-        """Count an optimizer step (calls inside gradient accumulation count once, at its boundary); sync every ``sync_every``."""
+        """Count an optimizer step (calls inside gradient accumulation count once, at its boundary); sync what is due."""
         if id(self.model) not in _ACTIVE:
             raise RuntimeError("DiLoCo.step() outside its context: use `with DiLoCo(...) as diloco:`")
         if not getattr(self.accelerator, "sync_gradients", True):
             return  # a micro-step of gradient accumulation: the optimizer did not step
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
-            self.sync()
+        count = len(self.fragments)
+        due = [f for f in self.fragments if self.inner_steps % self.sync_every == fragment_offset(f.index, count, self.sync_every)]
+        for fragment in due:
+            fragment.sync(self.inner_steps)
+        self.syncs += bool(due)
 
-    @torch.no_grad()
     def sync(self) -> None:
-        """Average the pseudo-gradients over the islands, take the outer step, and restart every island from the result."""
-        tensors = self.layout.local_tensors()
-        delta = self.global_weights - torch.cat([t.detach().reshape(-1).float() for t in tensors])
-        if self._quantized is not None:
-            self._quantized(delta)
-            self.seeds.advance()
-        elif self.islands > 1:
-            nbytes = ring_all_reduce_bytes(delta.numel() * delta.element_size(), self.islands)
-            self.meter.record(KIND_OUTER_ALL_REDUCE, sent_bytes=nbytes, recv_bytes=nbytes)
-            dist.all_reduce(delta, op=dist.ReduceOp.SUM, group=self.layout.group)
-        self.global_weights.grad = delta.div_(self.islands)
-        self.outer_optimizer.step()
-        self.global_weights.grad = None
-        for tensor, values in zip(tensors, self.global_weights.split(self.numels), strict=True):
-            tensor.copy_(values.view_as(tensor))
+        """Average every fragment's pseudo-gradient over the islands, take the outer steps, and restart every island from the result."""
+        for fragment in self.fragments:
+            fragment.sync(self.inner_steps)
         self.syncs += 1
-        self.synced_at = self.inner_steps
+
+    def sync_pending(self) -> None:
+        """Sync the fragments that trained since their last sync (none: nothing happens), so the islands hold one model."""
+        pending = [fragment for fragment in self.fragments if fragment.synced_at != self.inner_steps]
+        for fragment in pending:
+            fragment.sync(self.inner_steps)
+        self.syncs += bool(pending)
 
     def state_dict(self) -> dict[str, Any]:
-        """The global weights (of this rank's shards under HSDP), the outer optimizer, the rounding seeds and the step counters."""
+        """Every fragment's global weights (of this rank's shards under HSDP), outer optimizer and error feedback; the seeds and counters."""
         return {
             "sync_every": self.sync_every,
             "outer_bits": self.outer_bits,
+            "fragments": [fragment.state_dict() for fragment in self.fragments],
             "inner_steps": self.inner_steps,
             "syncs": self.syncs,
-            "synced_at": self.synced_at,
-            "global_weights": self.global_weights.detach().clone(),
-            "outer_optimizer": self.outer_optimizer.state_dict(),
             "seeds": self.seeds.state_dict(),
-            # this rank's error-feedback buffers (outer_bits): what its quantized sends dropped so far
-            "errors": [] if self._quantized is None else [t.clone() for pair in self._quantized.errors.values() for t in pair],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the period and the parameter count must match this run's."""
+        """Restore :meth:`state_dict`; the period, bits, fragment count and sizes must match this run's."""
         for key in ("sync_every", "outer_bits"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"DiLoCo checkpoint: {key}={state[key]} but this run has {key}={getattr(self, key)}")
-        weights = state["global_weights"]
-        if weights.numel() != self.global_weights.numel():
-            raise ValueError(f"DiLoCo checkpoint: {weights.numel()} global weights but the model has {self.global_weights.numel()} trainable values")
-        with torch.no_grad():
-            self.global_weights.copy_(weights)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        if len(state["fragments"]) != len(self.fragments):
+            raise ValueError(f"DiLoCo checkpoint: fragments={len(state['fragments'])} but this run has fragments={len(self.fragments)}")
+        try:
+            for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
+                fragment.load_state_dict(saved)
+        except ValueError as error:
+            message = str(error)
+            raise ValueError(message if message.startswith("DiLoCo checkpoint") else f"DiLoCo checkpoint: {message}") from None
         self.seeds.load_state_dict(state["seeds"])
-        if state.get("errors"):  # the one flat fp32 buffer's (sent chunks, own summed chunk)
-            try:
-                self._quantized.load_errors(self.global_weights.numel(), torch.float32, *state["errors"])
-            except ValueError as error:
-                raise ValueError(f"DiLoCo checkpoint: {error}") from None
-        self.inner_steps, self.syncs, self.synced_at = int(state["inner_steps"]), int(state["syncs"]), int(state["synced_at"])
+        self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])

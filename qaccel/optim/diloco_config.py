@@ -34,6 +34,10 @@ class DiLoCoConfig(SettingsMixin):
         outer_error_feedback: with ``outer_bits``, carry what quantization dropped into the next sync
             (default true).
         seed: unsigned 64-bit seed of the outer gradients' stochastic rounding (default 0).
+        fragments: F, the parts of the model (contiguous runs of parameters of about equal size) that
+            sync in turn: each every ``sync_every`` steps, fragment ``f`` at step ``(f + 1) * sync_every / F``
+            of the period, so one sync moves about 1/F of the model (Streaming DiLoCo, arXiv
+            2501.18512); ``sync_every`` must be a multiple of F (default 1: the whole model at once).
 
     Environment and config file: ``QACCEL_DILOCO_<FIELD>`` and the ``diloco`` section.
     """
@@ -56,9 +60,19 @@ class DiLoCoConfig(SettingsMixin):
     seed: int = field(
         default=0, metadata={READER: IntSetting(0, (1 << 64) - 1, base=0), "help": "unsigned 64-bit seed of the outer rounding noise (default 0)"}
     )
+    fragments: int = field(
+        default=1,
+        metadata={READER: IntSetting(1), "help": "F: parts of the model that sync in turn, each every sync_every steps, staggered by "
+                                                "sync_every/F (Streaming DiLoCo); sync_every must be a multiple (default 1)"},
+    )
 
     def __post_init__(self) -> None:
         if not _is_number(self.outer_lr) or not math.isfinite(self.outer_lr) or self.outer_lr <= 0:
             raise SettingError("outer_lr", self.outer_lr, "must be a finite number > 0 (the paper uses 0.7)", owner="DiLoCoConfig")
         if not _is_number(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
             raise SettingError("outer_momentum", self.outer_momentum, "must be a number in [0, 1) (the paper uses 0.9)", owner="DiLoCoConfig")
+        if self.sync_every % self.fragments:
+            raise SettingError(
+                "fragments", self.fragments, f"must divide sync_every={self.sync_every} (fragments sync every sync_every/fragments steps in turn)",
+                owner="DiLoCoConfig",
+            )  # fmt: skip

@@ -91,7 +91,7 @@ class DiLoCoLoop(OuterLoop):
         self.diloco = DiLoCo(
             accelerator, model, sync_every=config.sync_every, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
             outer_bits=config.outer_bits, outer_error_feedback=config.outer_error_feedback, seed=config.seed,
-            meter=accelerator.wire_meter,
+            fragments=config.fragments, meter=accelerator.wire_meter,
         )  # fmt: skip
         accelerator.register_save_state_pre_hook(self._save_rank_state)
 
@@ -104,8 +104,8 @@ class DiLoCoLoop(OuterLoop):
 
     def step(self, *, last: bool) -> None:
         self.diloco.step()
-        if last and self.diloco.inner_steps != self.diloco.synced_at:
-            self.diloco.sync()  # the run ends on one model: checkpoint, evaluation and export see it
+        if last:
+            self.diloco.sync_pending()  # the run ends on one model: checkpoint, evaluation and export see it
 
     def _save_rank_state(self, models: list, weights: list, output_dir: str) -> None:
         payload = {
@@ -144,15 +144,21 @@ def check_outer_schedule(plan: MethodPlan, settings: TrainingSettings, replica_i
 
     Between syncs every island holds its own model: a checkpoint holds one, an evaluation and a replica
     check compare one. Each therefore falls on a multiple of ``sync_every`` (0 for checkpoints and
-    evaluations: only at the end, where the run syncs).
+    evaluations: only at the end, where the run syncs); with fragments, where some fragment always
+    differs between islands, only at the end.
 
     Raises:
         ValueError: naming the setting, its value and the period.
     """
     if plan.diloco is None:
         return
-    period = plan.diloco.sync_every
+    period, fragments = plan.diloco.sync_every, plan.diloco.fragments
     for name, value in (("--save_steps", settings.save_steps), ("--eval_steps", settings.eval_steps), (ENV_CHECK_REPLICAS, replica_interval)):
+        if value and fragments > 1:
+            raise ValueError(
+                f"{name}={value} with --diloco_fragments={fragments}: must be 0 (only at the end, where the run syncs every "
+                "fragment); with fragments some part of the model always differs between islands"
+            )
         if value and value % period:
             raise ValueError(
                 f"{name}={value} with --method diloco: must be a multiple of --diloco_sync_every={period}, or 0 (only at "

@@ -151,12 +151,12 @@ def test_through_the_accelerator_with_gradient_accumulation_a_period_counts_opti
     assert ranks[0]["kinds"] == {KIND_OUTER_ALL_REDUCE: 2}  # no gradient all-reduce inside the context
 
 
-def _resume(rank: int, world_size: int, outer_bits: int | None, stop: int) -> dict:
+def _resume(rank: int, world_size: int, outer_bits: int | None, stop: int, fragments: int = 1, period: int = H) -> dict:
     """Train 2H+1 steps straight, and again stopped after ``stop`` steps and resumed from saved state; final weights."""
     def run(steps: range, state: dict | None) -> tuple[torch.Tensor, dict]:
         model = nn.parallel.DistributedDataParallel(_model())
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        diloco = DiLoCo(ACCELERATOR, model, sync_every=H, outer_bits=outer_bits, **OUTER)
+        diloco = DiLoCo(ACCELERATOR, model, sync_every=period, outer_bits=outer_bits, fragments=fragments, **OUTER)
         if state is not None:  # every rank restores its own island: model, inner optimizer, DiLoCo
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -170,7 +170,7 @@ def _resume(rank: int, world_size: int, outer_bits: int | None, stop: int) -> di
             final = _flat(model.module).clone()
         return final, saved  # (leaving the context synced the begun period, after the save: as a run that goes on would not)
 
-    last = 2 * H + 1
+    last = 2 * period + 1
     straight, _ = run(range(1, last + 1), None)
     _, saved = run(range(1, stop + 1), None)
     resumed, _ = run(range(stop + 1, last + 1), saved)
@@ -180,6 +180,8 @@ def _resume(rank: int, world_size: int, outer_bits: int | None, stop: int) -> di
 def test_a_resume_in_mid_period_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
     for outer_bits in (None, 4):
         assert all(r["equal"] for r in run_ranks(_resume, 2, tmp_path, outer_bits, H + 1)), outer_bits
+    # 2 fragments of period 4, stopped after step 7: fragment 0 synced at 6, fragment 1 at 4 and due at 8
+    assert all(r["equal"] for r in run_ranks(_resume, 2, tmp_path, 4, 7, 2, 4))
 
 
 def _refusals(rank: int, world_size: int) -> list[str]:
@@ -204,3 +206,69 @@ def test_a_model_that_is_not_ddp_and_a_second_context_are_refused(tmp_path):
     errors = run_ranks(_refusals, 2, tmp_path)[0]
     assert errors[0].startswith("DiLoCo: the model is a Sequential, not DistributedDataParallel, on 2 ranks")
     assert errors[1] == "DiLoCo: this model is already inside a DiLoCo context; one context per model"
+
+
+FRAGMENTS = ((0,), (1, 2, 3))  # the model's 8192 | 512, 2048, 4 values: the first reaches half of 10,756
+
+
+def _fragment_reference(islands: int, steps: int, period: int) -> list[list[torch.Tensor]]:
+    """Streaming DiLoCo in plain torch: fragment f syncs at step (f + 1) * H / F of each period, with its own outer SGD.
+
+    Returns every island's flat weights after every step."""
+    models = [_model() for _ in range(islands)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+
+    def values(model: nn.Module, fragment: tuple[int, ...]) -> list[torch.Tensor]:
+        return [list(model.parameters())[i] for i in fragment]
+
+    global_weights = [torch.cat([p.detach().reshape(-1) for p in values(models[0], f)]).clone() for f in FRAGMENTS]
+    outers = [torch.optim.SGD([g], lr=OUTER["outer_lr"], momentum=OUTER["outer_momentum"], nesterov=True) for g in global_weights]
+    per_step = []
+    for step in range(1, steps + 1):
+        for island in range(islands):
+            _inner_step(models[island], inner[island], island, step)
+        for f, fragment in enumerate(FRAGMENTS):
+            if step % period != (f + 1) * (period // len(FRAGMENTS)) % period:
+                continue
+            flats = [torch.cat([p.detach().reshape(-1) for p in values(m, fragment)]) for m in models]
+            global_weights[f].grad = torch.stack([global_weights[f] - flat for flat in flats]).mean(0)
+            outers[f].step()
+            with torch.no_grad():
+                for m in models:
+                    for p, new in zip(values(m, fragment), global_weights[f].split([p.numel() for p in values(m, fragment)]), strict=True):
+                        p.copy_(new.view_as(p))
+        per_step.append([_flat(m).clone() for m in models])
+    return per_step
+
+
+def _train_fragments(rank: int, world_size: int) -> dict:
+    period, steps = 4, 8
+    model = nn.parallel.DistributedDataParallel(_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    recorder = CollectiveRecorder()
+    per_step, sent = [], []
+    with DiLoCo(ACCELERATOR, model, sync_every=period, fragments=2, **OUTER) as diloco:
+        split = [tuple(fragment.params) for fragment in diloco.fragments]
+        for step in range(1, steps + 1):
+            _inner_step(model, optimizer, rank, step)
+            with recorder.recording():
+                diloco.step()
+            sent.append(recorder.sent_bytes())
+            per_step.append(_flat(model.module).clone())
+    return {"split": split, "per_step": per_step, "sent": sent, "reference": _fragment_reference(world_size, steps, period) if rank == 0 else None}
+
+
+def test_fragments_sync_in_turn_each_identical_after_its_own_sync_and_follow_the_plain_torch_loop(tmp_path):
+    ranks = run_ranks(_train_fragments, 3, tmp_path)
+    reference = ranks[0]["reference"]
+    sizes = [8192, 512 + 2048 + 4]  # values per fragment: fragment 0 syncs at steps 2 and 6, fragment 1 at 4 and 8
+    first = slice(0, sizes[0])
+    for rank, r in enumerate(ranks):
+        assert r["split"] == list(FRAGMENTS)
+        for step, flat in enumerate(r["per_step"], start=1):  # every island, every step: the plain-torch loop's island
+            torch.testing.assert_close(flat, reference[step - 1][rank], rtol=1e-5, atol=1e-6)
+        due = {2: sizes[0], 4: sizes[1], 6: sizes[0], 8: sizes[1]}
+        assert [r["sent"][i] - (r["sent"][i - 1] if i else 0) for i in range(8)] == [ring_all_reduce(4 * due.get(s, 0), 3) if s in due else 0 for s in range(1, 9)]
+    after = [r["per_step"][1] for r in ranks]  # step 2: fragment 0 just synced, fragment 1 still apart
+    assert all(torch.equal(a[first], after[0][first]) for a in after)
+    assert not torch.equal(after[0][sizes[0]:], after[1][sizes[0]:])

@@ -110,8 +110,35 @@ def _reference_outer_steps(start: dict, islands_pre: list[list[dict]]) -> list[d
     return after
 
 
+def _fragments(rank: int) -> dict:
+    """2 fragments of period 2: after step 1 the first is equal across the replicas, the second is not."""
+    _, shard_mesh, replica_group = hsdp_meshes()
+    model, optimizer = _hierarchical(shard_mesh, replica_group, WireMeter())
+
+    def replicas_equal(params: list[int]) -> bool:
+        local = torch.cat([list(model.parameters())[i].to_local().detach().reshape(-1) for i in params])
+        gathered = [torch.empty_like(local) for _ in range(2)]
+        dist.all_gather(gathered, local, group=replica_group)
+        return torch.equal(gathered[0], gathered[1])
+
+    with DiLoCo(_Steps(), model, sync_every=2, fragments=2, **OUTER) as diloco:
+        split = [list(fragment.params) for fragment in diloco.fragments]
+        _step(model, optimizer, rank, 1)
+        diloco.step()
+        after_first = [replicas_equal(params) for params in split]
+    return {"split": split, "after_first": after_first, "after_exit": _replicas_identical(model, replica_group)}
+
+
 def _low_level(rank: int, world_size: int) -> dict:
-    return {"fp32": _fp32_islands(rank), "resume": _resume(rank), "refused": _refusals(rank)}
+    return {"fp32": _fp32_islands(rank), "resume": _resume(rank), "fragments": _fragments(rank), "refused": _refusals(rank)}
+
+
+def test_fragments_cut_alike_on_every_rank_and_each_is_identical_across_replicas_after_its_own_sync(ranks):
+    fragments = [r["fragments"] for r in ranks]
+    assert all(f["split"] == fragments[0]["split"] for f in fragments) and len(fragments[0]["split"]) == 2
+    for f in fragments:
+        assert f["after_first"] == [True, False]  # fragment 0 syncs at step 1 of 2, fragment 1 at step 2
+        assert f["after_exit"]  # leaving synced the begun fragment
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,9 @@ def _train_and_resume(tmp: Path, launcher: list[str]) -> tuple[Path, Path]:
 def _rank_files_equal(a: Path, b: Path, ranks: int) -> bool:
     for rank in range(ranks):
         left, right = (torch.load(folder / f"qaccel_diloco_rank{rank}.pt", weights_only=True) for folder in (a, b))
-        flat = lambda payload: [payload["diloco"]["global_weights"], *(t for state in payload["inner_optimizer"] for t in state.values())]  # noqa: E731
+        flat = lambda payload: [  # noqa: E731
+            *(f["global_weights"] for f in payload["diloco"]["fragments"]), *(t for state in payload["inner_optimizer"] for t in state.values())
+        ]
         if not all(torch.equal(x, y) for x, y in zip(flat(left), flat(right), strict=True)):
             return False
     return True
@@ -105,3 +107,16 @@ def test_hsdp_islands_resume_bit_identical_and_only_the_outer_all_reduce_crosses
     # rank 0 holds the first ceil(rows / 2) rows of every parameter (FSDP2's dim-0 chunks over 2 shards)
     shard = sum(-(-shape[0] // 2) * (shape.numel() // shape[0]) for shape in _gpt2_tiny_shapes())
     _check_inter_node_bytes(hsdp_runs[0], _ring(4 * shard, 2))
+
+
+def test_ddp_fragments_sync_in_turn_and_the_last_step_syncs_the_rest(tmp_path):
+    out = tmp_path / "fragments"
+    flags = ("--recipe", "gpt2-tiny", "--method", "diloco", "--max_steps", "4", "--diloco_sync_every", "2", "--diloco_fragments", "2",
+             "--save_steps", "0", "--eval_steps", "0", "--per_device_batch_size", "4", "--output_dir", str(out))  # fmt: skip
+    run_job([*torchrun_cmd("-m", "qaccel.train"), *flags], timeout=600)
+    sizes = [shape.numel() for shape in _gpt2_tiny_shapes()]
+    first = sizes[0]  # the token embedding holds over half of the values: fragment 0 alone
+    assert first * 2 >= sum(sizes)
+    rest = sum(sizes) - first
+    expected = {1: _ring(4 * first, 2), 2: _ring(4 * rest, 2), 3: _ring(4 * first, 2), 4: _ring(4 * rest, 2) + _ring(4 * first, 2)}
+    assert {row["step"]: row["wire_bytes_inter_node"] for row in metrics(out)} == expected

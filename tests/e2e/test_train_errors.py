@@ -73,6 +73,7 @@ def _cases(tmp: Path) -> dict[str, dict]:
         "diloco_bad_setting": case("--recipe", "gpt2-tiny", "--method", "diloco", "--diloco_outer_bits", "9"),
         "diloco_save_between_syncs": case("--recipe", "gpt2-tiny", "--method", "diloco", "--diloco_sync_every", "40"),
         "diloco_eval_between_syncs": case("--recipe", "gpt2-tiny", "--method", "diloco", "--diloco_sync_every", "75", "--save_steps", "0"),
+        "diloco_fragments_with_checkpoints": case("--recipe", "gpt2-tiny", "--method", "diloco", "--diloco_sync_every", "50", "--diloco_fragments", "2"),
         "diloco_under_fsdp_launch": case("--recipe", "gpt2-tiny", "--method", "diloco", ACCELERATE_USE_FSDP="true"),
         "diloco_replica_bits": case(
             "--recipe", "gpt2-tiny", "--method", "diloco", "--qsdp_replica_grad_bits", "4",
@@ -112,6 +113,7 @@ EXPECTED = {
     "diloco_bad_setting": ("ValueError", ["DiLoCoConfig.outer_bits=9", "an int in [2, 8], or off"]),
     "diloco_save_between_syncs": ("ValueError", ["--save_steps=150 with --method diloco: must be a multiple of --diloco_sync_every=40"]),
     "diloco_eval_between_syncs": ("ValueError", ["--eval_steps=100 with --method diloco: must be a multiple of --diloco_sync_every=75"]),
+    "diloco_fragments_with_checkpoints": ("ValueError", ["--save_steps=150 with --diloco_fragments=2: must be 0 (only at the end"]),
     "diloco_under_fsdp_launch": ("ValueError", ["--method diloco with an FSDP launch config: runs on HSDP shards", "cpu_2x2_hqsdp"]),
     "diloco_replica_bits": ("ValueError", ["--qsdp_replica_grad_bits=4: with --method diloco DiLoCo sends only the outer pseudo-gradients"]),
     "resume_diloco_other_world_size": ("ValueError", ["trained with method 'diloco' on 2 processes, this run has 1", "resume on 2 processes"]),

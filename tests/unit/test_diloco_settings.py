@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from qaccel.optim import DiLoCo, DiLoCoConfig
+from qaccel.optim._diloco_fragments import fragment_offset, split_fragments
 
 ACCELERATOR = SimpleNamespace(sync_gradients=True)
 
@@ -77,3 +78,32 @@ def test_a_checkpoint_of_another_period_is_refused():
     with pytest.raises(ValueError, match="DiLoCo checkpoint: sync_every=3 but this run has sync_every=4"):
         DiLoCo(ACCELERATOR, nn.Linear(2, 2), sync_every=4).load_state_dict(saved)
 
+
+
+def test_fragments_split_the_parameters_by_size_and_must_divide_the_period():
+    sizes = [8192, 512, 2048, 4]
+    assert split_fragments(sizes, 1) == [[0, 1, 2, 3]]
+    assert split_fragments(sizes, 2) == [[0], [1, 2, 3]]  # the first parameter holds half of the values
+    assert split_fragments([1, 1, 1, 100], 3) == [[0, 1], [2], [3]]  # every fragment keeps at least one parameter
+    assert [fragment_offset(f, 4, 8) for f in range(4)] == [2, 4, 6, 0]
+    with pytest.raises(ValueError, match="DiLoCo fragments=5: the model has 4 trainable parameters"):
+        split_fragments(sizes, 5)
+    with pytest.raises(ValueError, match=r"DiLoCoConfig.fragments=3: must divide sync_every=4"):
+        DiLoCo(ACCELERATOR, nn.Linear(2, 2), sync_every=4, fragments=3)
+
+
+def test_a_restored_state_knows_its_last_sync_so_leaving_does_not_sync_again():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with DiLoCo(ACCELERATOR, model, sync_every=2) as diloco:
+        diloco.step()
+        diloco.step()  # syncs
+        saved = diloco.state_dict()
+    restored = DiLoCo(ACCELERATOR, model, sync_every=2)
+    restored.load_state_dict(saved)
+    assert not restored.pending and restored.syncs == 1
+    with torch.no_grad():
+        model.weight.add_(1.0)  # were leaving to sync, this change would be averaged away
+    with restored:
+        pass
+    assert restored.syncs == 1

@@ -157,23 +157,20 @@ class DiLoCo:
             return  # a micro-step of gradient accumulation: the optimizer did not step
         self.inner_steps += 1
         count = len(self.fragments)
-        due = [f for f in self.fragments if self.inner_steps % self.sync_every == fragment_offset(f.index, count, self.sync_every)]
-        for fragment in due:
-            fragment.sync(self.inner_steps)
-        self.syncs += bool(due)
+        self._sync([f for f in self.fragments if self.inner_steps % self.sync_every == fragment_offset(f.index, count, self.sync_every)])
 
     def sync(self) -> None:
         """Average every fragment's pseudo-gradient over the islands, take the outer steps, and restart every island from the result."""
-        for fragment in self.fragments:
-            fragment.sync(self.inner_steps)
-        self.syncs += 1
+        self._sync(self.fragments)
 
     def sync_pending(self) -> None:
         """Sync the fragments that trained since their last sync (none: nothing happens), so the islands hold one model."""
-        pending = [fragment for fragment in self.fragments if fragment.synced_at != self.inner_steps]
-        for fragment in pending:
+        self._sync([fragment for fragment in self.fragments if fragment.synced_at != self.inner_steps])
+
+    def _sync(self, fragments: list[OuterFragment]) -> None:
+        for fragment in fragments:
             fragment.sync(self.inner_steps)
-        self.syncs += bool(pending)
+        self.syncs += bool(fragments)  # one sync event, however many fragments it moved
 
     def state_dict(self) -> dict[str, Any]:
         """Every fragment's global weights (of this rank's shards under HSDP), outer optimizer and error feedback; the seeds and counters."""

@@ -12,6 +12,7 @@ of the global weights). Checkpoints, evaluations and replica checks therefore fa
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -86,13 +87,10 @@ class DiLoCoLoop(OuterLoop):
     """
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any, plan: MethodPlan) -> None:
-        config = plan.diloco
         self.accelerator, self.optimizer = accelerator, optimizer
-        self.diloco = DiLoCo(
-            accelerator, model, sync_every=config.sync_every, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
-            outer_bits=config.outer_bits, outer_error_feedback=config.outer_error_feedback, seed=config.seed,
-            fragments=config.fragments, meter=accelerator.wire_meter,
-        )  # fmt: skip
+        # DiLoCo's keywords are DiLoCoConfig's fields: every setting passes, a new one included
+        settings = {f.name: getattr(plan.diloco, f.name) for f in dataclasses.fields(plan.diloco)}
+        self.diloco = DiLoCo(accelerator, model, **settings, meter=accelerator.wire_meter)
         accelerator.register_save_state_pre_hook(self._save_rank_state)
 
     def __enter__(self) -> DiLoCoLoop:
